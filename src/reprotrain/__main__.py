@@ -1,0 +1,7 @@
+"""``python -m reprotrain`` is the ``reprotrain`` command."""
+
+import sys
+
+from reprotrain.cli import main
+
+sys.exit(main())

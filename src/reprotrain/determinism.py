@@ -1,0 +1,198 @@
+"""Determinism for any PyTorch Lightning project, set up from process start.
+
+Call :func:`configure_determinism` once, before the model, the data loaders or
+anything else touches CUDA::
+
+    from reprotrain.determinism import configure_determinism
+
+    settings = configure_determinism(seed=42, mode=True)
+    trainer = L.Trainer(**settings.trainer_flags(), ...)
+
+What it guarantees, in ``mode=True``: python, numpy and torch (every device)
+are seeded; DataLoader workers are seeded by Lightning's worker init function
+(``PL_SEED_WORKERS``); ``torch.use_deterministic_algorithms(True)``,
+``cudnn.deterministic=True`` and ``cudnn.benchmark=False`` are in force; and
+``CUBLAS_WORKSPACE_CONFIG`` was set before CUDA started. With the same code,
+data, seed, hardware model and torch/CUDA/cuDNN build, training then gives the
+same bits on every run. Across GPU models, CPU vs GPU, or library versions it
+does not: floating-point rounding differs there.
+
+What it refuses: two things cannot be fixed from inside a running process,
+so it checks them and fails closed (:class:`DeterminismError`) in ``True``
+mode, and warns in ``"warn"`` mode:
+
+* ``PYTHONHASHSEED`` must have been set when the interpreter started (set-ordering
+  of strings depends on it). :func:`reexec_with_fixed_hash_seed` restarts the
+  process with it set; the ``reprotrain`` CLI does that first thing.
+* CUDA must not be initialised yet: cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG``
+  when its handle is created, so setting it later (as Lightning's
+  ``Trainer(deterministic=True)`` does) can be silently too late.
+
+``mode=False`` is the fast mode: nothing is checked, deterministic algorithms
+are off and cuDNN autotuning (``benchmark``) is on. Seeding still happens.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+Mode = bool | Literal["warn"]
+
+#: The two values cuBLAS accepts for deterministic workspaces; the first is
+#: what Lightning and the PyTorch docs use.
+CUBLAS_DETERMINISTIC_CONFIGS = (":4096:8", ":16:8")
+FIXED_HASH_SEED = "0"
+_HASH_PROBE = "reprotrain-hash-probe"
+
+
+class DeterminismError(RuntimeError):
+    """The process cannot honour the determinism guarantee it was asked for."""
+
+
+@dataclass(frozen=True)
+class DeterminismSettings:
+    """What was actually in force after :func:`configure_determinism`."""
+
+    mode: Mode
+    seed: int
+    python_hash_seed: str | None
+    hash_seed_fixed_at_start: bool
+    cublas_workspace_config: str | None
+    cuda_initialized_before: bool
+    deterministic_algorithms: bool
+    deterministic_algorithms_warn_only: bool
+    cudnn_deterministic: bool
+    cudnn_benchmark: bool
+    seed_workers: bool
+    problems: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict, stable field order."""
+        out = asdict(self)
+        out["problems"] = list(self.problems)
+        return out
+
+    def trainer_flags(self) -> dict[str, Any]:
+        """``deterministic`` and ``benchmark`` for ``lightning.Trainer``, matching this mode."""
+        return {"deterministic": self.mode, "benchmark": self.cudnn_benchmark}
+
+
+def hash_seed_fixed_at_start() -> bool:
+    """True when the running interpreter's string hashing was seeded by ``PYTHONHASHSEED``.
+
+    Setting ``os.environ["PYTHONHASHSEED"]`` after start does not change the
+    interpreter, so the value is checked against the interpreter itself: with
+    ``0`` hash randomisation is off (``sys.flags``); for other values a child
+    interpreter started with that seed must hash a probe string the same way.
+    """
+    value = os.environ.get("PYTHONHASHSEED")
+    if value is None or not value.isdigit():
+        return False
+    if value == "0":
+        return sys.flags.hash_randomization == 0
+    child = subprocess.run(
+        [sys.executable, "-c", f"print(hash({_HASH_PROBE!r}))"],
+        env={**os.environ, "PYTHONHASHSEED": value},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return child.stdout.strip() == str(hash(_HASH_PROBE))
+
+
+def reexec_with_fixed_hash_seed() -> None:
+    """Restart this process with ``PYTHONHASHSEED`` fixed, unless it already is.
+
+    Call it before importing torch (the restart repeats everything done so
+    far). It also sets ``CUBLAS_WORKSPACE_CONFIG`` for the new process so
+    cuBLAS sees it from the first handle on. Never returns when it restarts.
+    """
+    if hash_seed_fixed_at_start():
+        return
+    env = dict(os.environ)
+    env["PYTHONHASHSEED"] = FIXED_HASH_SEED
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
+    # sys.orig_argv is the interpreter's own command line (python, -m/script, args...).
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def _cuda_initialized() -> bool:
+    import torch
+
+    return torch.cuda.is_initialized()
+
+
+def _check_preconditions(hash_ok: bool, cuda_up: bool) -> list[str]:
+    """The problems that make the guarantee void."""
+    problems: list[str] = []
+    if not hash_ok:
+        problems.append(
+            "PYTHONHASHSEED was not fixed when the interpreter started "
+            f"(now {os.environ.get('PYTHONHASHSEED')!r}); start Python with "
+            "PYTHONHASHSEED=0, or call reexec_with_fixed_hash_seed() first thing"
+        )
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if cublas is not None and cublas not in CUBLAS_DETERMINISTIC_CONFIGS:
+        problems.append(
+            f"CUBLAS_WORKSPACE_CONFIG={cublas!r} is not deterministic; "
+            f"use one of {', '.join(CUBLAS_DETERMINISTIC_CONFIGS)} or unset it"
+        )
+    if cuda_up:
+        problems.append(
+            "CUDA was initialised before configure_determinism(); cuBLAS may have "
+            "started without CUBLAS_WORKSPACE_CONFIG. Call it before any CUDA use "
+            "(model.to('cuda'), torch.cuda.* calls, Trainer.fit)"
+        )
+    return problems
+
+
+def configure_determinism(seed: int, mode: Mode = True) -> DeterminismSettings:
+    """Seed everything and apply the determinism flags for ``mode``; return what is in force.
+
+    ``mode`` is ``True`` (fail closed), ``"warn"`` (same flags, problems and
+    non-deterministic ops become warnings) or ``False`` (fast: autotuning on).
+    Raises :class:`DeterminismError` in ``True`` mode when a precondition in
+    the module docstring does not hold.
+    """
+    if mode not in (True, False, "warn"):
+        raise ValueError(f"mode must be True, False or 'warn', got {mode!r}")
+    strict = mode is True
+    enabled = mode is not False
+    hash_ok = hash_seed_fixed_at_start()
+    cuda_up = _cuda_initialized()
+    problems: list[str] = []
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
+        problems = _check_preconditions(hash_ok, cuda_up)
+        if problems and strict:
+            raise DeterminismError("cannot guarantee determinism: " + "; ".join(problems))
+        for problem in problems:
+            warnings.warn(f"determinism not guaranteed: {problem}", stacklevel=2)
+
+    import torch
+    from lightning.fabric.utilities.seed import seed_everything
+
+    seed_everything(seed, workers=True, verbose=False)
+    torch.use_deterministic_algorithms(enabled, warn_only=mode == "warn")
+    torch.backends.cudnn.deterministic = enabled
+    torch.backends.cudnn.benchmark = not enabled
+
+    return DeterminismSettings(
+        mode=mode,
+        seed=seed,
+        python_hash_seed=os.environ.get("PYTHONHASHSEED"),
+        hash_seed_fixed_at_start=hash_ok,
+        cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        cuda_initialized_before=cuda_up,
+        deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
+        deterministic_algorithms_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+        cudnn_deterministic=torch.backends.cudnn.deterministic,
+        cudnn_benchmark=torch.backends.cudnn.benchmark,
+        seed_workers=os.environ.get("PL_SEED_WORKERS") == "1",
+        problems=tuple(problems),
+    )

@@ -1,0 +1,219 @@
+"""``params.yaml`` parsed once into frozen, typed config objects.
+
+Every field's default, type, allowed range and meaning live here and nowhere
+else. Loading is strict: an unknown key, a missing key, a wrong type or an
+out-of-range value raises :class:`ConfigError` with one line naming the key
+and what is allowed; the CLI turns it into exit code 2 before anything is
+written. ``params.yaml`` must spell out every key, so the file DVC hashes is
+the whole configuration (``reprotrain params --defaults`` prints one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from reprotrain.determinism import Mode
+
+
+class ConfigError(ValueError):
+    """A params file or override is invalid; the message names the key."""
+
+
+def _spec(default: Any, help: str, **rules: Any) -> Any:
+    return field(default=default, metadata={"help": help, **rules})
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = _spec(
+        "digits",
+        "'digits' (scikit-learn's bundled 8x8 digits) or the name of an .npz file "
+        "with arrays x and y in the raw-data folder (data/raw)",
+    )
+    val_fraction: float = _spec(0.15, "share of samples held out for validation", gt=0, lt=1)
+    test_fraction: float = _spec(0.15, "share of samples held out for the test set", gt=0, lt=1)
+    batch_size: int = _spec(64, "training and validation batch size", ge=1, le=65536)
+    num_workers: int = _spec(2, "DataLoader worker processes (each seeded)", ge=0, le=64)
+    augment: bool = _spec(True, "random one-pixel shifts of training images")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    channels: int = _spec(16, "channels of the first conv layer (the second has twice)", ge=1)
+    hidden: int = _spec(64, "width of the hidden fully connected layer", ge=1)
+    dropout: float = _spec(0.25, "dropout probability (makes random state matter)", ge=0, lt=1)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_epochs: int = _spec(10, "training epochs", ge=1, le=100000)
+    optimizer: str = _spec("adam", "optimizer", choices=("adam", "adamw", "sgd"))
+    lr: float = _spec(0.002, "learning rate", gt=0, le=10)
+    weight_decay: float = _spec(0.0, "weight decay", ge=0)
+    accelerator: str = _spec("cpu", "where to train; never 'auto'", choices=("cpu", "gpu"))
+    devices: int = _spec(1, "number of devices; only 1 in this version", ge=1, le=1)
+    precision: str = _spec(
+        "32-true",
+        "Lightning precision",
+        choices=("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"),
+    )
+
+
+@dataclass(frozen=True)
+class Params:
+    seed: int = _spec(42, "seed for every random number generator", ge=0, le=2**32 - 1)
+    deterministic: Mode = _spec(
+        True,
+        "true: bitwise-reproducible, fails closed; 'warn': same flags, warnings only; "
+        "false: fast, cuDNN autotuning on",
+        choices=(True, False, "warn"),
+    )
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def select(self, keys: Iterable[str]) -> dict[str, Any]:
+        """The values of dotted ``keys``, e.g. ``{"train.lr": 0.002}``."""
+        flat = flatten(dataclasses.asdict(self))
+        return {key: flat[key] for key in keys}
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
+    """Read ``path``, apply ``key=value`` overrides, validate, return frozen params."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found; run from the repository root") from None
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where else ""
+        raise ConfigError(f"{path}: not valid YAML{line}: fix the syntax") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys at the top level")
+    for item in overrides:
+        _apply_override(raw, item)
+    return parse_params(raw, source=str(path))
+
+
+def parse_params(raw: Mapping[str, Any], source: str = "params") -> Params:
+    """Validate a plain mapping into :class:`Params`."""
+    params = _build(Params, raw, prefix="", source=source)
+    if params.data.val_fraction + params.data.test_fraction >= 1:
+        raise ConfigError(
+            f"{source}: data.val_fraction + data.test_fraction must be below 1, got "
+            f"{params.data.val_fraction} + {params.data.test_fraction}"
+        )
+    return params
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=0.01")
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: unknown key {key!r}")
+        node = child
+    if leaf not in node:
+        raise ConfigError(f"override {item!r}: unknown key {key!r}")
+    node[leaf] = yaml.safe_load(text)
+
+
+def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
+    where = prefix.rstrip(".") or "top level"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source}: {where}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in raw:
+        if name not in fields:
+            allowed = ", ".join(fields)
+            raise ConfigError(f"{source}: unknown key {prefix}{name!r}; allowed here: {allowed}")
+    values: dict[str, Any] = {}
+    for name, spec in fields.items():
+        key = prefix + name
+        if name not in raw:
+            raise ConfigError(f"{source}: missing key {key!r} ({_describe(spec, hints[name])})")
+        if dataclasses.is_dataclass(hints[name]):
+            values[name] = _build(hints[name], raw[name], f"{key}.", source)
+        else:
+            values[name] = _check(key, raw[name], hints[name], spec, source)
+    return cls(**values)
+
+
+def _check(key: str, value: Any, kind: Any, spec: dataclasses.Field, source: str) -> Any:
+    rules = spec.metadata
+    fail = ConfigError(f"{source}: {key}: got {value!r}; expected {_describe(spec, kind)}")
+    if "choices" in rules:
+        if not any(type(value) is type(c) and value == c for c in rules["choices"]):
+            raise fail
+        return value
+    if kind is float and type(value) in (int, float):
+        value = float(value)
+    elif type(value) is not kind:
+        raise fail
+    bounds = {
+        "ge": lambda v, b: v >= b,
+        "gt": lambda v, b: v > b,
+        "le": lambda v, b: v <= b,
+        "lt": lambda v, b: v < b,
+    }
+    if any(name in rules and not ok(value, rules[name]) for name, ok in bounds.items()):
+        raise fail
+    return value
+
+
+def _describe(spec: dataclasses.Field, kind: Any) -> str:
+    rules = spec.metadata
+    if "choices" in rules:
+        return "one of " + ", ".join(_yaml_scalar(c) for c in rules["choices"])
+    if dataclasses.is_dataclass(kind):
+        return "a section"
+    text = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[kind]
+    symbols = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    limits = [f"{symbols[name]} {rules[name]}" for name in symbols if name in rules]
+    return f"{text} {' and '.join(limits)}" if limits else text
+
+
+def _yaml_scalar(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
+def render_defaults() -> str:
+    """A complete, commented ``params.yaml`` holding every default."""
+    lines = ["# reprotrain parameters; every key is required (defaults shown).", ""]
+    _render(Params, lines, indent="")
+    return "\n".join(lines) + "\n"
+
+
+def _render(cls: type, lines: list[str], indent: str) -> None:
+    hints = typing.get_type_hints(cls)
+    for spec in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[spec.name]):
+            lines.append(f"{indent}{spec.name}:")
+            _render(hints[spec.name], lines, indent + "  ")
+            continue
+        lines.append(f"{indent}# {spec.metadata['help']}; {_describe(spec, hints[spec.name])}")
+        lines.append(f"{indent}{spec.name}: {_yaml_scalar(spec.default)}")

@@ -1,0 +1,132 @@
+"""The prepared dataset file and the LightningDataModule that reads it.
+
+The prepared data is one safetensors file holding ``x_<split>`` (float32,
+N x C x H x W, scaled to [0, 1]) and ``y_<split>`` (int64) for the train, val
+and test splits, with the class count in its metadata. safetensors orders
+tensors by dtype and name, so identical tensors give identical bytes; its
+metadata, though, is a hash map written in arbitrary order, so we store
+exactly one metadata key whose value is canonical JSON (see
+:func:`reprotrain.hashing.safetensors_metadata`).
+
+Data order is pinned by a ``torch.Generator`` seeded from ``seed`` and owned
+by the training DataLoader, so it does not depend on how much of the global
+random stream the model consumed. The shift augmentation draws from numpy's
+global generator inside the worker processes: its output is reproducible only
+because every worker is seeded (Lightning's worker init function, enabled by
+``configure_determinism``), which is why ``num_workers`` defaults to 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, Dataset
+
+from reprotrain.atomic import atomic_path
+from reprotrain.hashing import load_safetensors, safetensors_metadata
+
+SPLITS = ("train", "val", "test")
+
+
+class DataError(ValueError):
+    """A dataset file is missing or malformed; the message names the file."""
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    tensors: dict[str, torch.Tensor]
+    num_classes: int
+    source: str
+
+    def split(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tensors[f"x_{name}"], self.tensors[f"y_{name}"]
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.tensors["x_train"].shape[1:])
+
+
+def save_prepared(path: str | Path, data: PreparedData) -> None:
+    """Write ``data`` atomically as one safetensors file."""
+    metadata = safetensors_metadata({"num_classes": data.num_classes, "source": data.source})
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in data.tensors.items()}, tmp, metadata=metadata)
+
+
+def load_prepared(path: str | Path) -> PreparedData:
+    """Read and check a prepared dataset file; :class:`DataError` names what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: prepared data not found; run `dvc repro prepare`")
+    try:
+        tensors, metadata = load_safetensors(path)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise DataError(f"{path}: unreadable ({err}); rerun `dvc repro prepare`") from None
+    expected = {f"{axis}_{split}" for axis in "xy" for split in SPLITS}
+    if set(tensors) != expected or "num_classes" not in metadata:
+        raise DataError(f"{path}: not a reprotrain prepared dataset; rerun `dvc repro prepare`")
+    return PreparedData(tensors, int(metadata["num_classes"]), str(metadata.get("source", "?")))
+
+
+class ShiftedImages(Dataset):
+    """Images with labels; optionally shifted by up to one pixel in each direction."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, augment: bool) -> None:
+        self.x, self.y, self.augment = x, y, augment
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.x[index]
+        if self.augment:
+            dy, dx = np.random.randint(-1, 2, size=2)
+            image = _shift(image, int(dy), int(dx))
+        return image, self.y[index]
+
+
+def _shift(image: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
+    out = torch.zeros_like(image)
+    h, w = image.shape[-2:]
+    out[..., max(dy, 0) : h + min(dy, 0), max(dx, 0) : w + min(dx, 0)] = image[
+        ..., max(-dy, 0) : h + min(-dy, 0), max(-dx, 0) : w + min(-dx, 0)
+    ]
+    return out
+
+
+class PreparedDataModule(L.LightningDataModule):
+    """Train / val loaders over a :class:`PreparedData`, with a seeded shuffle."""
+
+    def __init__(
+        self, data: PreparedData, batch_size: int, num_workers: int, augment: bool, seed: int
+    ) -> None:
+        super().__init__()
+        self.data = data
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.augment = augment
+        self.seed = seed
+
+    def train_dataloader(self) -> DataLoader:
+        x, y = self.data.split("train")
+        return self._loader(ShiftedImages(x, y, self.augment), shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        x, y = self.data.split("val")
+        return self._loader(ShiftedImages(x, y, augment=False), shuffle=False)
+
+    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
+        )

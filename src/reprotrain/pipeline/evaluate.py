@@ -1,0 +1,70 @@
+"""Stage ``evaluate``: trained weights + test split -> ``metrics.json`` and a confusion CSV.
+
+The network is rebuilt from the params stored in the weights file itself, so
+this stage reads nothing from ``params.yaml``. It runs on the CPU in eval mode
+(no dropout, no randomness) with deterministic algorithms on, in fixed-size
+chunks: identical weights give identical metric bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from torch.nn import functional as F
+
+from reprotrain.atomic import atomic_write_text
+from reprotrain.hashing import canonical_json, load_safetensors
+from reprotrain.pipeline.config import Params, parse_params
+from reprotrain.pipeline.data import DataError, load_prepared
+from reprotrain.pipeline.model import build_network
+
+#: The params.yaml keys this stage reads: none, the model file carries them.
+PARAMS: tuple[str, ...] = ()
+_CHUNK = 1024
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, required=True, help="prepared dataset file")
+    parser.add_argument("--model", type=Path, required=True, help="trained weights")
+    parser.add_argument("--metrics", type=Path, required=True, help="test metrics JSON")
+    parser.add_argument("--plots", type=Path, required=True, help="folder for confusion CSV")
+
+
+def run(_: Params | None, args: argparse.Namespace) -> str:
+    data = load_prepared(args.data)
+    net = load_network(args.model)
+    torch.use_deterministic_algorithms(True)
+    x, y = data.split("test")
+    with torch.no_grad():
+        logits = torch.cat([net(chunk) for chunk in x.split(_CHUNK)])
+    predicted = logits.argmax(dim=1)
+    metrics = {
+        "test_samples": len(y),
+        "test_loss": F.cross_entropy(logits, y).item(),
+        "test_acc": (predicted == y).double().mean().item(),
+    }
+    atomic_write_text(args.metrics, canonical_json(metrics))
+    confusion = ["actual,predicted"] + [
+        f"{a},{p}" for a, p in zip(y.tolist(), predicted.tolist(), strict=True)
+    ]
+    atomic_write_text(args.plots / "confusion.csv", "\n".join(confusion) + "\n")
+    return f"test_acc {metrics['test_acc']:.4f} on {len(y)} samples -> {args.metrics}"
+
+
+def load_network(path: Path) -> torch.nn.Module:
+    """Rebuild the network from a weights file's metadata and load its tensors (no pickle)."""
+    try:
+        weights, meta = load_safetensors(path)
+        params = parse_params(meta["params"], source=f"{path} metadata")
+        shape = tuple(meta["input_shape"])
+        classes = int(meta["num_classes"])
+    except FileNotFoundError:
+        raise DataError(f"{path}: model not found; run `dvc repro train`") from None
+    except (SafetensorError, OSError, KeyError, ValueError) as err:
+        raise DataError(f"{path}: not a reprotrain model file ({err}); retrain it") from None
+    net = build_network(params.model, shape, classes)
+    net.load_state_dict(weights, strict=True)
+    return net.eval()
