@@ -159,7 +159,7 @@ def configure_determinism(seed: int, mode: Mode = True) -> DeterminismSettings:
     Raises :class:`DeterminismError` in ``True`` mode when a precondition in
     the module docstring does not hold.
     """
-    if mode not in (True, False, "warn"):
+    if not (mode is True or mode is False or mode == "warn"):
         raise ValueError(f"mode must be True, False or 'warn', got {mode!r}")
     strict = mode is True
     enabled = mode is not False

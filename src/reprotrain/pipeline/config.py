@@ -55,7 +55,7 @@ class ModelConfig:
 class TrainConfig:
     max_epochs: int = _spec(10, "training epochs", ge=1, le=100000)
     optimizer: str = _spec("adam", "optimizer", choices=("adam", "adamw", "sgd"))
-    lr: float = _spec(0.002, "learning rate", gt=0, le=10)
+    lr: float = _spec(0.005, "learning rate", gt=0, le=10)
     weight_decay: float = _spec(0.0, "weight decay", ge=0)
     accelerator: str = _spec("cpu", "where to train; never 'auto'", choices=("cpu", "gpu"))
     devices: int = _spec(1, "number of devices; only 1 in this version", ge=1, le=1)
@@ -150,7 +150,7 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
     for name in raw:
         if name not in fields:
             allowed = ", ".join(fields)
-            raise ConfigError(f"{source}: unknown key {prefix}{name!r}; allowed here: {allowed}")
+            raise ConfigError(f"{source}: unknown key '{prefix}{name}'; allowed here: {allowed}")
     values: dict[str, Any] = {}
     for name, spec in fields.items():
         key = prefix + name

@@ -12,6 +12,7 @@ raw data, ``seed`` and the two fractions.
 from __future__ import annotations
 
 import argparse
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +58,7 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError, EOFError) as err:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise DataError(f"{path}: not a readable .npz file ({err}); re-export it") from None
     missing = {"x", "y"} - set(arrays)
     if missing:

@@ -1,0 +1,142 @@
+"""params.yaml -> frozen config: the shipped file loads, every bad value names its key."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from reprotrain.pipeline.config import (
+    ConfigError,
+    Params,
+    load_params,
+    parse_params,
+    render_defaults,
+)
+from tests.helpers import run_cli
+
+
+def _defaults() -> dict:
+    return yaml.safe_load(render_defaults())
+
+
+def test_shipped_params_yaml_loads_into_frozen_config(repo_root: Path) -> None:
+    params = load_params(repo_root / "params.yaml")
+    assert isinstance(params, Params)
+    assert params.data.num_workers == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.seed = 1  # type: ignore[misc]
+
+
+def test_shipped_params_yaml_holds_the_defaults(repo_root: Path) -> None:
+    assert load_params(repo_root / "params.yaml") == Params()
+
+
+def test_rendered_defaults_load_back_to_the_defaults() -> None:
+    assert parse_params(_defaults()) == Params()
+
+
+def _with(path: str, value: object) -> dict:
+    raw = _defaults()
+    *parents, leaf = path.split(".")
+    node = raw
+    for part in parents:
+        node = node[part]
+    if value is _DELETE:
+        del node[leaf]
+    else:
+        node[leaf] = value
+    return raw
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("colour", "red", "unknown key 'colour'"),
+        ("train.momentum", 0.9, "unknown key 'train.momentum'"),
+        ("seed", _DELETE, "missing key 'seed'"),
+        ("train.lr", _DELETE, "missing key 'train.lr'"),
+        ("seed", "forty-two", "seed: got 'forty-two'; expected an integer"),
+        ("seed", True, "seed: got True; expected an integer"),
+        ("seed", 1.5, "seed: got 1.5; expected an integer"),
+        ("seed", -1, "seed: got -1; expected an integer >= 0 and <= 4294967295"),
+        ("seed", 2**32, "seed: got 4294967296"),
+        ("train.lr", 0, "train.lr: got 0; expected a number > 0"),
+        ("train.lr", "fast", "train.lr: got 'fast'"),
+        ("data.num_workers", -1, "data.num_workers: got -1"),
+        ("data.augment", "yes", "data.augment: got 'yes'; expected true or false"),
+        ("deterministic", "maybe", "deterministic: got 'maybe'; expected one of true, false, warn"),
+        ("deterministic", 1, "deterministic: got 1"),
+        ("train.accelerator", "auto", "train.accelerator: got 'auto'; expected one of cpu, gpu"),
+        ("train.precision", "8-bit", "train.precision: got '8-bit'"),
+        ("model", 3, "model: expected a mapping"),
+        ("data.val_fraction", 0.9, "data.val_fraction + data.test_fraction must be below 1"),
+    ],
+)
+def test_bad_value_names_the_key(key: str, value: object, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_params(_with(key, value), source="params.yaml")
+    message = str(caught.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_float_fields_accept_integers() -> None:
+    assert parse_params(_with("train.lr", 1)).train.lr == 1.0
+
+
+def test_overrides_apply_with_yaml_types(tmp_path: Path, repo_root: Path) -> None:
+    params = load_params(
+        repo_root / "params.yaml", ["seed=7", "train.lr=0.01", "deterministic=warn"]
+    )
+    assert (params.seed, params.train.lr, params.deterministic) == (7, 0.01, "warn")
+
+
+@pytest.mark.parametrize("item", ["train.momentum=1", "nokey", "data=3"])
+def test_bad_override_is_refused(item: str, repo_root: Path) -> None:
+    with pytest.raises(ConfigError):
+        load_params(repo_root / "params.yaml", [item])
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "params.yaml"
+    path.write_text("seed: 42\ndata: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"params.yaml: not valid YAML \(line \d+\)"):
+        load_params(path)
+
+
+def test_cli_bad_params_exit_2_and_write_nothing(tmp_path: Path, prepared: Path) -> None:
+    raw = _with("train.lr", -0.5)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    earlier = tmp_path / "model.safetensors"
+    earlier.write_bytes(b"earlier output")
+    result = run_cli(
+        "train",
+        "--data",
+        prepared,
+        "--model",
+        earlier,
+        "--metrics",
+        tmp_path / "metrics.json",
+        "--plots",
+        tmp_path / "plots",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "reprotrain: error: params.yaml: train.lr: got -0.5; expected a number > 0 and <= 10"
+    ]
+    assert earlier.read_bytes() == b"earlier output"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "params.yaml"]
+
+
+def test_cli_seed_override_reaches_params(repo_root: Path) -> None:
+    result = run_cli("params", "--seed", "7", "-S", "train.max_epochs=3", cwd=repo_root)
+    assert result.returncode == 0, result.stderr
+    assert "seed=7" in result.stdout
+    assert "max_epochs=3" in result.stdout

@@ -1,0 +1,164 @@
+"""configure_determinism: the flags it applies, and every failure it must detect."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from reprotrain import determinism
+from reprotrain.determinism import DeterminismError, configure_determinism
+from tests.helpers import cli_env
+
+pytestmark = pytest.mark.usefixtures("restore_torch_flags")
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter with no PYTHONHASHSEED unless given."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=cli_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_true_mode_applies_every_flag() -> None:
+    settings = configure_determinism(seed=3, mode=True)
+    assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert os.environ["PL_SEED_WORKERS"] == "1"
+    assert settings.hash_seed_fixed_at_start and settings.problems == ()
+    assert settings.trainer_flags() == {"deterministic": True, "benchmark": False}
+
+
+def test_false_mode_is_the_fast_mode() -> None:
+    settings = configure_determinism(seed=3, mode=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
+    assert settings.trainer_flags() == {"deterministic": False, "benchmark": True}
+
+
+def test_warn_mode_turns_alerts_into_warnings() -> None:
+    configure_determinism(seed=3, mode="warn")
+    assert torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def test_same_seed_same_streams_and_other_seed_differs() -> None:
+    def draw(seed: int) -> tuple:
+        configure_determinism(seed=seed, mode=True)
+        return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+    assert draw(11) == draw(11)
+    assert draw(11) != draw(12)
+
+
+def test_settings_are_json_ready() -> None:
+    out = configure_determinism(seed=5, mode=True).as_dict()
+    assert out["seed"] == 5 and out["python_hash_seed"] == "0" and out["problems"] == []
+
+
+def test_unfixed_hash_seed_fails_closed_in_true_mode() -> None:
+    result = _python(
+        """
+        from reprotrain.determinism import configure_determinism
+        configure_determinism(seed=1, mode=True)
+        """
+    )
+    assert result.returncode != 0
+    assert "DeterminismError" in result.stderr and "PYTHONHASHSEED" in result.stderr
+
+
+def test_hash_seed_set_after_start_is_still_detected() -> None:
+    result = _python(
+        """
+        import os
+        os.environ["PYTHONHASHSEED"] = "0"
+        from reprotrain.determinism import configure_determinism
+        configure_determinism(seed=1, mode=True)
+        """
+    )
+    assert result.returncode != 0 and "PYTHONHASHSEED" in result.stderr
+
+
+def test_unfixed_hash_seed_warns_in_warn_mode() -> None:
+    result = _python(
+        """
+        import warnings
+        from reprotrain.determinism import configure_determinism
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            settings = configure_determinism(seed=1, mode="warn")
+        assert any("PYTHONHASHSEED" in str(w.message) for w in caught), caught
+        assert not settings.hash_seed_fixed_at_start and len(settings.problems) == 1
+        print("warned")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "warned"
+
+
+def test_nonzero_hash_seed_fixed_at_start_is_accepted() -> None:
+    result = _python(
+        """
+        from reprotrain.determinism import configure_determinism
+        print(configure_determinism(seed=1, mode=True).python_hash_seed)
+        """,
+        PYTHONHASHSEED="1234",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1234"
+
+
+def test_reexec_fixes_the_hash_seed_for_the_whole_process() -> None:
+    result = _python(
+        """
+        import sys
+        from reprotrain.determinism import reexec_with_fixed_hash_seed
+        reexec_with_fixed_hash_seed()
+        print(sys.flags.hash_randomization, hash("abc"))
+        """
+    )
+    again = _python("print(0, hash('abc'))", PYTHONHASHSEED="0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == again.stdout
+
+
+def test_cuda_initialised_before_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No GPU here: stand in for "something already called into CUDA".
+    monkeypatch.setattr(determinism, "_cuda_initialized", lambda: True)
+    with pytest.raises(DeterminismError, match="CUDA was initialised before"):
+        configure_determinism(seed=1, mode=True)
+
+
+def test_cuda_initialised_before_warns_in_warn_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(determinism, "_cuda_initialized", lambda: True)
+    with pytest.warns(UserWarning, match="CUDA was initialised before"):
+        settings = configure_determinism(seed=1, mode="warn")
+    assert settings.cuda_initialized_before
+
+
+def test_cuda_check_is_skipped_in_fast_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(determinism, "_cuda_initialized", lambda: True)
+    assert configure_determinism(seed=1, mode=False).problems == ()
+
+
+def test_wrong_cublas_workspace_config_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    with pytest.raises(DeterminismError, match="CUBLAS_WORKSPACE_CONFIG=':0:0'"):
+        configure_determinism(seed=1, mode=True)
+
+
+@pytest.mark.parametrize("mode", [1, "true", None])
+def test_unknown_mode_is_refused(mode: object) -> None:
+    with pytest.raises(ValueError, match="mode must be"):
+        configure_determinism(seed=1, mode=mode)  # type: ignore[arg-type]

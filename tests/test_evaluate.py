@@ -1,0 +1,56 @@
+"""Stage evaluate: identical weights give identical metric bytes; bad model files are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, run_cli
+
+
+def _run(stage: str, work: Path, prepared: Path, model: Path, *extra: str):
+    return run_cli(
+        stage,
+        *extra,
+        "--data",
+        prepared,
+        "--model",
+        model,
+        "--metrics",
+        work / f"{stage}.json",
+        "--plots",
+        work / f"{stage}-plots",
+        cwd=work,
+    )
+
+
+@pytest.fixture(scope="module")
+def model(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("model")
+    out = work / "model.safetensors"
+    extra = ("--params", str(ROOT / "params.yaml"), "-S", "train.max_epochs=1")
+    assert _run("train", work, prepared, out, *extra).returncode == 0
+    return out
+
+
+def test_evaluate_twice_gives_identical_bytes(tmp_path: Path, prepared: Path, model: Path) -> None:
+    first, second = tmp_path / "1", tmp_path / "2"
+    for work in (first, second):
+        work.mkdir()
+        result = _run("evaluate", work, prepared, model)
+        assert result.returncode == 0, result.stderr
+    for name in ("evaluate.json", "evaluate-plots/confusion.csv"):
+        assert (first / name).read_bytes() == (second / name).read_bytes()
+    metrics = json.loads((first / "evaluate.json").read_text())
+    assert metrics["test_samples"] == 270 and 0 <= metrics["test_acc"] <= 1
+
+
+def test_corrupt_model_file_is_refused(tmp_path: Path, prepared: Path, model: Path) -> None:
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(model.read_bytes()[:100])
+    result = _run("evaluate", tmp_path, prepared, bad)
+    assert result.returncode == 2
+    assert "not a reprotrain model file" in result.stderr
+    assert not (tmp_path / "evaluate.json").exists()

@@ -1,0 +1,92 @@
+"""Stage prepare: byte-identical output, seeded split, and clear refusals of bad raw data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from reprotrain.hashing import sha256_file
+from reprotrain.pipeline.data import load_prepared
+from tests.helpers import ROOT, run_cli
+
+
+def _prepare(work: Path, *overrides: str, out_name: str = "out.safetensors"):
+    return run_cli(
+        "prepare",
+        "--params",
+        ROOT / "params.yaml",
+        *overrides,
+        "--raw-dir",
+        work,
+        "--out",
+        work / out_name,
+        cwd=work,
+    )
+
+
+def test_prepare_is_byte_identical_across_runs(tmp_path: Path, prepared: Path) -> None:
+    assert _prepare(tmp_path).returncode == 0
+    assert sha256_file(tmp_path / "out.safetensors") == sha256_file(prepared)
+
+
+def test_digits_split_sizes_and_scaling(prepared: Path) -> None:
+    data = load_prepared(prepared)
+    sizes = {name: len(data.split(name)[1]) for name in ("train", "val", "test")}
+    assert sizes == {"train": 1257, "val": 270, "test": 270}
+    assert data.num_classes == 10 and data.input_shape == (1, 8, 8)
+    x, _ = data.split("train")
+    assert float(x.min()) == 0.0 and float(x.max()) == 1.0
+
+
+def test_other_seed_gives_another_split(tmp_path: Path, prepared: Path) -> None:
+    assert _prepare(tmp_path, "--seed", "1").returncode == 0
+    assert sha256_file(tmp_path / "out.safetensors") != sha256_file(prepared)
+
+
+def _npz(path: Path, **arrays: np.ndarray) -> None:
+    np.savez(path, **arrays)
+
+
+def test_user_npz_is_validated_and_split(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    _npz(tmp_path / "mine.npz", x=rng.random((40, 6, 6)), y=rng.integers(0, 3, 40))
+    result = _prepare(tmp_path, "-S", "data.source=mine.npz")
+    assert result.returncode == 0, result.stderr
+    data = load_prepared(tmp_path / "out.safetensors")
+    assert data.input_shape == (1, 6, 6) and data.source == "mine.npz"
+    assert sum(len(data.split(s)[1]) for s in ("train", "val", "test")) == 40
+
+
+BAD = {
+    "wrong_shape": ({"x": np.zeros((10, 4)), "y": np.zeros(10, int)}, "x has shape (10, 4)"),
+    "float_labels": ({"x": np.zeros((10, 4, 4)), "y": np.zeros(10)}, "y has shape (10,) and dtype"),
+    "nan": ({"x": np.full((10, 4, 4), np.nan), "y": np.zeros(10, int)}, "NaN or infinite"),
+    "negative_label": ({"x": np.zeros((10, 4, 4)), "y": -np.ones(10, int)}, "negative labels"),
+    "missing_y": ({"x": np.zeros((10, 4, 4))}, "missing array(s) ['y']"),
+    "empty_split": ({"x": np.zeros((2, 4, 4)), "y": np.zeros(2, int)}, "give an empty split"),
+    "text_x": ({"x": np.array([["a"] * 4] * 10), "y": np.zeros(10, int)}, "x has shape"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_user_data_exit_2_naming_the_file(tmp_path: Path, case: str) -> None:
+    arrays, expected = BAD[case]
+    _npz(tmp_path / "bad.npz", **arrays)
+    result = _prepare(tmp_path, "-S", "data.source=bad.npz")
+    assert result.returncode == 2
+    assert expected in result.stderr and "bad.npz" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_missing_and_truncated_files_are_refused(tmp_path: Path) -> None:
+    missing = _prepare(tmp_path, "-S", "data.source=absent.npz")
+    assert missing.returncode == 2 and "absent.npz: not found" in missing.stderr
+    _npz(tmp_path / "cut.npz", x=np.zeros((10, 4, 4)), y=np.zeros(10, int))
+    blob = (tmp_path / "cut.npz").read_bytes()
+    (tmp_path / "cut.npz").write_bytes(blob[: len(blob) // 2])
+    truncated = _prepare(tmp_path, "-S", "data.source=cut.npz")
+    assert truncated.returncode == 2 and "not a readable .npz" in truncated.stderr
+    assert not (tmp_path / "out.safetensors").exists()

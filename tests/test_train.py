@@ -1,0 +1,93 @@
+"""Two same-seed fits in fresh processes give the same bits; another seed does not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from reprotrain.hashing import fingerprint_state_dict, load_safetensors, sha256_file
+from tests.helpers import ROOT, run_cli
+
+EPOCHS = "3"
+
+
+def _train(prepared: Path, out: Path, *overrides: str) -> Path:
+    """Train in a fresh `reprotrain` process (default num_workers=2); return its folder."""
+    out.mkdir()
+    result = run_cli(
+        "train",
+        "--params",
+        ROOT / "params.yaml",
+        "-S",
+        f"train.max_epochs={EPOCHS}",
+        *overrides,
+        "--data",
+        prepared,
+        "--model",
+        out / "model.safetensors",
+        "--metrics",
+        out / "metrics.json",
+        "--plots",
+        out / "plots",
+        cwd=out,
+    )
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("runs")
+    return {
+        "a": _train(prepared, base / "a"),
+        "b": _train(prepared, base / "b"),
+        "other_seed": _train(prepared, base / "c", "--seed", "43"),
+    }
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_safetensors(run / "model.safetensors")[0]
+
+
+def test_same_seed_gives_identical_weights(runs: dict[str, Path]) -> None:
+    a, b = _weights(runs["a"]), _weights(runs["b"])
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert fingerprint_state_dict(a) == fingerprint_state_dict(b)
+
+
+def test_same_seed_gives_identical_output_files(runs: dict[str, Path]) -> None:
+    for name in ("model.safetensors", "metrics.json", "plots/train_loss.csv", "plots/val.csv"):
+        assert sha256_file(runs["a"] / name) == sha256_file(runs["b"] / name), name
+
+
+def test_different_seed_gives_different_weights(runs: dict[str, Path]) -> None:
+    a, c = _weights(runs["a"]), _weights(runs["other_seed"])
+    assert not all(torch.equal(a[name], c[name]) for name in a)
+    assert sha256_file(runs["a"] / "model.safetensors") != sha256_file(
+        runs["other_seed"] / "model.safetensors"
+    )
+
+
+def test_model_records_params_and_determinism_in_force(runs: dict[str, Path]) -> None:
+    _, meta = load_safetensors(runs["a"] / "model.safetensors")
+    assert meta["params"]["train"]["max_epochs"] == int(EPOCHS)
+    assert meta["params"]["data"]["num_workers"] == 2
+    # The CLI was started without PYTHONHASHSEED: it must have restarted itself with it.
+    assert meta["determinism"]["python_hash_seed"] == "0"
+    assert meta["determinism"]["hash_seed_fixed_at_start"] is True
+    assert meta["determinism"]["seed_workers"] is True
+    assert meta["determinism"]["deterministic_algorithms"] is True
+
+
+def test_metrics_and_curves_cover_every_epoch_and_step(runs: dict[str, Path]) -> None:
+    import json
+
+    metrics = json.loads((runs["a"] / "metrics.json").read_text())
+    steps = (runs["a"] / "plots/train_loss.csv").read_text().splitlines()
+    epochs = (runs["a"] / "plots/val.csv").read_text().splitlines()
+    assert metrics["epochs"] == int(EPOCHS) and len(epochs) == int(EPOCHS) + 1
+    assert metrics["steps"] == len(steps) - 1 > 0
+    assert 0 <= metrics["val_acc"] <= 1
