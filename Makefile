@@ -10,8 +10,6 @@ STAMP := $(VENV)/.installed
 # Stage commands in dvc.yaml call `reprotrain`, so the venv must come first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 export DVC_NO_ANALYTICS := 1
-# In-process tests that train need the hash seed fixed at interpreter start.
-export PYTHONHASHSEED := 0
 
 .PHONY: help venv repro test lint format lock bench clean
 

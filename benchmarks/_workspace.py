@@ -8,9 +8,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from reprotrain.hashing import canonical_json
 from reprotrain.pipeline import prepare
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.data import save_prepared
+from reprotrain.pipeline.env import record_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,9 +26,15 @@ def train_workspace(params: Params) -> Iterator[argparse.Namespace]:
         save_prepared(
             work / "data.safetensors", prepare.split(x, y, params.data, params.seed, source)
         )
+        environment = record_environment(ROOT / "requirements-cpu.lock")
+        (work / "environment.json").write_text(canonical_json(environment))
         yield argparse.Namespace(
             data=work / "data.safetensors",
             model=work / "model.safetensors",
             metrics=work / "metrics.json",
             plots=work / "plots",
+            env=work / "environment.json",
+            run_record=work / "run.json",
+            checkpoints=work / "checkpoints",
+            dvc_lock=None,
         )

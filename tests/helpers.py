@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,55 @@ def run_cli(*args: str | Path, cwd: Path, **env: str) -> subprocess.CompletedPro
         text=True,
         timeout=600,
     )
+
+
+def run_checked(*cmd: str | Path, cwd: Path, **env: str) -> str:
+    """Run a command (dvc, git, reprotrain...) in a fresh process; fail the test if it fails."""
+    result = subprocess.run(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=cli_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, f"{' '.join(map(str, cmd))}\n{result.stdout}\n{result.stderr}"
+    return result.stdout + result.stderr
+
+
+def copy_checkout(dest: Path) -> Path:
+    """A fresh git repository holding this checkout's files (tracked or not, never ignored)."""
+    listed = run_checked("git", "ls-files", "-z", "-co", "--exclude-standard", cwd=ROOT)
+    for name in filter(None, listed.split("\0")):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    run_checked("git", "init", "-q", cwd=dest)
+    commit_all(dest, "copy of the checkout")
+    return dest
+
+
+def commit_all(repo: Path, message: str) -> None:
+    run_checked("git", "add", "-A", cwd=repo)
+    run_checked(
+        "git",
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@t",
+        "commit",
+        "--allow-empty",
+        "-qm",
+        message,
+        cwd=repo,
+    )
+
+
+def stage_argv(repo: Path, stage: str) -> list[str]:
+    """The `reprotrain` arguments of a stage, as `dvc.yaml` in ``repo`` writes them."""
+    import shlex
+
+    import yaml
+
+    cmd = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"][stage]["cmd"]
+    return shlex.split(cmd)[1:]

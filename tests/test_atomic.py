@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from reprotrain.atomic import atomic_path, atomic_write_text
+from tests.helpers import cli_env
 
 
 def test_write_replaces_whole_file_and_leaves_no_temp(tmp_path: Path) -> None:
@@ -25,3 +30,47 @@ def test_failed_writer_keeps_previous_file(tmp_path: Path) -> None:
         raise RuntimeError("killed mid-write")
     assert target.read_bytes() == b"previous"
     assert [p.name for p in tmp_path.iterdir()] == ["model.bin"]
+
+
+_WRITE_BIG = """
+import sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+from reprotrain.atomic import atomic_path, atomic_write_text
+from reprotrain.resume import VerifiedCheckpointIO
+kind, final = sys.argv[1], Path(sys.argv[2])
+big = torch.ones(100_000_000)  # 400 MB: the write takes long enough to be caught
+print("ready", flush=True)
+if kind == "text":
+    atomic_write_text(final, "x" * 400_000_000)
+elif kind == "safetensors":
+    with atomic_path(final) as tmp:
+        save_file({"w": big}, tmp)
+else:
+    VerifiedCheckpointIO().save_checkpoint({"w": big}, final)
+"""
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [("text", "metrics.json"), ("safetensors", "model.safetensors"), ("ckpt", "epoch=3.ckpt")],
+)
+def test_kill_9_during_a_write_never_exposes_a_partial_file(
+    kind: str, name: str, tmp_path: Path
+) -> None:
+    final = tmp_path / name
+    final.write_bytes(b"previous, complete output")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITE_BIG, kind, str(final)],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(f".{name}.tmp-*")) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the write finished before the kill"
+    assert final.read_bytes() == b"previous, complete output"

@@ -110,27 +110,34 @@ def test_malformed_yaml_names_file_and_line(tmp_path: Path) -> None:
         load_params(path)
 
 
-def test_cli_bad_params_exit_2_and_write_nothing(tmp_path: Path, prepared: Path) -> None:
-    raw = _with("train.lr", -0.5)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+_CLI_BAD = {
+    "malformed_yaml": ("seed: 42\ndata: [unclosed\n", "params.yaml: not valid YAML (line 3)"),
+    "unknown_key": (yaml.safe_dump(_with("colour", "red")), "unknown key 'colour'"),
+    "missing_key": (yaml.safe_dump(_with("train.lr", _DELETE)), "missing key 'train.lr'"),
+    "wrong_type": (
+        yaml.safe_dump(_with("train.lr", -0.5)),
+        "params.yaml: train.lr: got -0.5; expected a number > 0 and <= 10",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CLI_BAD))
+def test_cli_bad_params_exit_2_and_write_nothing(case: str, tmp_path: Path, prepared: Path) -> None:
+    text, expected = _CLI_BAD[case]
+    (tmp_path / "params.yaml").write_text(text)
     earlier = tmp_path / "model.safetensors"
     earlier.write_bytes(b"earlier output")
     result = run_cli(
         "train",
-        "--data",
-        prepared,
-        "--model",
-        earlier,
-        "--metrics",
-        tmp_path / "metrics.json",
-        "--plots",
-        tmp_path / "plots",
+        *("--data", prepared, "--model", earlier, "--metrics", tmp_path / "metrics.json"),
+        *("--plots", tmp_path / "plots", "--env", tmp_path / "env.json"),
+        *("--run-record", tmp_path / "run.json", "--checkpoints", tmp_path / "ckpt"),
         cwd=tmp_path,
     )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "reprotrain: error: params.yaml: train.lr: got -0.5; expected a number > 0 and <= 10"
-    ]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reprotrain: error: ")
+    assert expected in lines[0]
     assert earlier.read_bytes() == b"earlier output"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "params.yaml"]
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, run_cli
+from reprotrain.provenance import md5_file
+from tests.helpers import ROOT, run_cli, stage_argv
 
 
 def _run(stage: str, work: Path, prepared: Path, model: Path, *extra: str):
@@ -27,10 +28,14 @@ def _run(stage: str, work: Path, prepared: Path, model: Path, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def model(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def model(prepared: Path, env_record: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("model")
     out = work / "model.safetensors"
-    extra = ("--params", str(ROOT / "params.yaml"), "-S", "train.max_epochs=1")
+    extra = (
+        *("--params", str(ROOT / "params.yaml"), "-S", "train.max_epochs=1"),
+        *("--env", str(env_record), "--run-record", str(work / "run.json")),
+        *("--checkpoints", str(work / "ckpt")),
+    )
     assert _run("train", work, prepared, out, *extra).returncode == 0
     return out
 
@@ -54,3 +59,16 @@ def test_corrupt_model_file_is_refused(tmp_path: Path, prepared: Path, model: Pa
     assert result.returncode == 2
     assert "not a reprotrain model file" in result.stderr
     assert not (tmp_path / "evaluate.json").exists()
+
+
+def test_tampered_weights_are_refused_by_hash_before_loading(repo_copy: Path) -> None:
+    model = repo_copy / "models/model.safetensors"
+    recorded = md5_file(model)
+    blob = bytearray(model.read_bytes())
+    blob[-1] ^= 1  # a weight bit: the file still parses, only the hash can tell
+    model.write_bytes(bytes(blob))
+    before = (repo_copy / "reports/metrics.json").read_bytes()
+    result = run_cli(*stage_argv(repo_copy, "evaluate"), cwd=repo_copy)
+    assert result.returncode == 2
+    assert "models/model.safetensors: md5" in result.stderr and recorded in result.stderr
+    assert (repo_copy / "reports/metrics.json").read_bytes() == before

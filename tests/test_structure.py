@@ -2,53 +2,30 @@
 
 from __future__ import annotations
 
-import ast
 import importlib
 import re
-from pathlib import Path
 
 import pytest
 import yaml
 
+from reprotrain.provenance import source_files
 from tests.helpers import ROOT
 
 SRC = ROOT / "src"
-LIBRARY = ("reprotrain.determinism", "reprotrain.hashing", "reprotrain.atomic")
+LIBRARY = (
+    "reprotrain.determinism",
+    "reprotrain.hashing",
+    "reprotrain.atomic",
+    "reprotrain.environment",
+    "reprotrain.provenance",
+)
 STAGES = ("prepare", "train", "evaluate")
-
-
-def _module_path(name: str) -> Path:
-    base = SRC.joinpath(*name.split("."))
-    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
-
-
-def _direct_imports(name: str) -> set[str]:
-    tree = ast.parse(_module_path(name).read_text())
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-    return {n for n in found if n.split(".")[0] == "reprotrain"}
-
-
-def _closure(name: str) -> set[str]:
-    seen, todo = set(), [name]
-    while todo:
-        current = todo.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        todo.extend(_direct_imports(current))
-    return seen
 
 
 @pytest.mark.parametrize("module", LIBRARY)
 def test_library_does_not_import_the_pipeline(module: str) -> None:
-    leaked = {
-        m for m in _closure(module) if m.startswith(("reprotrain.pipeline", "reprotrain.cli"))
-    }
+    files = [f.relative_to(SRC).as_posix() for f in source_files(module)]
+    leaked = [f for f in files if f.startswith(("reprotrain/pipeline/", "reprotrain/cli.py"))]
     assert not leaked, f"{module} imports {leaked}"
 
 
@@ -67,13 +44,17 @@ def test_dvc_yaml_params_are_exactly_what_the_stage_reads(stage: str) -> None:
 def test_dvc_yaml_deps_cover_every_module_the_stage_imports(stage: str) -> None:
     spec = _dvc_stages()[stage]
     assert spec["cmd"].startswith(f"reprotrain {stage} ")
-    needed = {
-        str(_module_path(m).relative_to(ROOT))
-        for m in _closure(f"reprotrain.pipeline.{stage}")
-        if _module_path(m).name != "__init__.py"
-    }
-    missing = needed - set(spec["deps"])
-    assert not missing, f"dvc.yaml stage {stage!r} lacks deps {sorted(missing)}"
+    # The run ID hashes exactly these files (run_record.run_inputs), so DVC must track them.
+    needed = {str(f.relative_to(ROOT)) for f in source_files(f"reprotrain.pipeline.{stage}")}
+    listed = {dep for dep in spec["deps"] if dep.startswith("src/")}
+    assert listed == needed, f"dvc.yaml stage {stage!r}: deps {sorted(listed ^ needed)} differ"
+
+
+def test_env_stage_runs_on_every_repro_and_feeds_train() -> None:
+    stages = _dvc_stages()
+    assert stages["env"]["always_changed"] is True
+    env_out = next(iter(stages["env"]["outs"][0]))
+    assert env_out in stages["train"]["deps"]
 
 
 def test_cpu_lock_pins_every_package_with_a_hash_and_no_local_paths() -> None:

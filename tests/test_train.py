@@ -13,7 +13,7 @@ from tests.helpers import ROOT, run_cli
 EPOCHS = "3"
 
 
-def _train(prepared: Path, out: Path, *overrides: str) -> Path:
+def _train(prepared: Path, env: Path, out: Path, *overrides: str) -> Path:
     """Train in a fresh `reprotrain` process (default num_workers=2); return its folder."""
     out.mkdir()
     result = run_cli(
@@ -31,6 +31,7 @@ def _train(prepared: Path, out: Path, *overrides: str) -> Path:
         out / "metrics.json",
         "--plots",
         out / "plots",
+        *("--env", env, "--run-record", out / "run.json", "--checkpoints", out / "ckpt"),
         cwd=out,
     )
     assert result.returncode == 0, result.stderr
@@ -38,12 +39,14 @@ def _train(prepared: Path, out: Path, *overrides: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(
+    prepared: Path, env_record: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("runs")
     return {
-        "a": _train(prepared, base / "a"),
-        "b": _train(prepared, base / "b"),
-        "other_seed": _train(prepared, base / "c", "--seed", "43"),
+        "a": _train(prepared, env_record, base / "a"),
+        "b": _train(prepared, env_record, base / "b"),
+        "other_seed": _train(prepared, env_record, base / "c", "--seed", "43"),
     }
 
 
@@ -59,7 +62,14 @@ def test_same_seed_gives_identical_weights(runs: dict[str, Path]) -> None:
 
 
 def test_same_seed_gives_identical_output_files(runs: dict[str, Path]) -> None:
-    for name in ("model.safetensors", "metrics.json", "plots/train_loss.csv", "plots/val.csv"):
+    names = (
+        "model.safetensors",
+        "metrics.json",
+        "run.json",
+        "plots/train_loss.csv",
+        "plots/val.csv",
+    )
+    for name in names:
         assert sha256_file(runs["a"] / name) == sha256_file(runs["b"] / name), name
 
 

@@ -1,10 +1,16 @@
-"""The ``reprotrain`` command: one sub-command per pipeline stage, plus ``params``.
+"""The ``reprotrain`` command: the pipeline stages and the tools around them.
 
-Stage commands first restart the interpreter with ``PYTHONHASHSEED`` fixed
-(before torch is imported), then load ``params.yaml`` once, apply overrides
-(``--seed 7``, ``--deterministic warn``, ``-S train.lr=0.01``) and run the
-stage. Exit codes: 0 done; 2 bad input (params, data or model file), nothing
-written; 3 the determinism guarantee cannot be honoured in this process.
+Every sub-command is a module in :mod:`reprotrain.pipeline` with ``PARAMS``,
+``add_arguments`` and ``run``; only the chosen one is imported, so light
+commands (``env``, ``checklist``) never pay for importing torch. Commands
+that train or configure determinism first restart the interpreter with
+``PYTHONHASHSEED`` fixed, before torch is imported. Commands that read
+``params.yaml`` load it once and apply overrides (``--seed 7``,
+``--deterministic warn``, ``-S train.lr=0.01``).
+
+Exit codes: 0 done; 1 a check failed (``checklist --strict``); 2 bad input
+(params, data, model, lock or record file), nothing written; 3 the
+determinism guarantee cannot be honoured in this process.
 """
 
 from __future__ import annotations
@@ -15,33 +21,47 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-STAGES = ("prepare", "train", "evaluate")
+#: Sub-command -> one-line help. Each is the module reprotrain.pipeline.<name>.
+COMMANDS = {
+    "env": "record the environment that decides the bits",
+    "prepare": "materialise and split the dataset",
+    "train": "train the model deterministically",
+    "evaluate": "score the test split",
+    "fingerprint": "print the run ID the train stage would have now",
+    "checklist": "reproducibility checklist: pass / warn / fail per item",
+}
+#: Commands that need PYTHONHASHSEED fixed at interpreter start; `env` and
+#: `checklist` too, so the variables they record are the ones the stages run with.
+REEXEC = ("env", "prepare", "train", "evaluate", "fingerprint", "checklist")
+EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NOT_DETERMINISTIC = 3
 
 
-def _stage_module(name: str) -> ModuleType:
+def _module(name: str) -> ModuleType:
     return importlib.import_module(f"reprotrain.pipeline.{name}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; with ``only``, just that sub-command's module is imported."""
     parser = argparse.ArgumentParser(
         prog="reprotrain", description="Bitwise-reproducible Lightning training with DVC."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in STAGES:
-        module = _stage_module(name)
-        sub = commands.add_parser(name, help=module.__doc__.splitlines()[0])
-        if module.PARAMS:
-            _add_param_options(sub)
-        module.add_arguments(sub)
+    for name, summary in COMMANDS.items():
+        sub = commands.add_parser(name, help=summary, description=summary)
+        if only in (None, name):
+            module = _module(name)
+            if module.PARAMS:
+                add_param_options(sub)
+            module.add_arguments(sub)
     params = commands.add_parser("params", help="print the resolved params, or the defaults")
-    _add_param_options(params)
+    add_param_options(params)
     params.add_argument("--defaults", action="store_true", help="print a default params.yaml")
     return parser
 
 
-def _add_param_options(parser: argparse.ArgumentParser) -> None:
+def add_param_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file")
     parser.add_argument("--seed", type=int, help="override `seed`")
     parser.add_argument(
@@ -58,7 +78,8 @@ def _add_param_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _overrides(args: argparse.Namespace) -> list[str]:
+def overrides(args: argparse.Namespace) -> list[str]:
+    """The ``key=value`` overrides given on the command line, in order."""
     extra = [] if args.seed is None else [f"seed={args.seed}"]
     if args.deterministic is not None:
         extra.append(f"deterministic={args.deterministic}")
@@ -68,29 +89,37 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point. ``argv=None`` means a real process start (may re-exec itself)."""
     if argv is None:
-        from reprotrain.determinism import reexec_with_fixed_hash_seed
-
-        if len(sys.argv) > 1 and sys.argv[1] in STAGES:
-            reexec_with_fixed_hash_seed()
         argv = sys.argv[1:]
-    args = build_parser().parse_args(argv)
+        if argv and argv[0] in REEXEC:
+            from reprotrain.determinism import reexec_with_fixed_hash_seed
+
+            reexec_with_fixed_hash_seed()
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(only=command).parse_args(argv)
 
     from reprotrain.determinism import DeterminismError
     from reprotrain.pipeline.config import ConfigError, load_params, render_defaults
-    from reprotrain.pipeline.data import DataError
+    from reprotrain.pipeline.errors import DataError
+    from reprotrain.provenance import ChecksumError
+    from reprotrain.resume import CheckpointError
 
     try:
         if args.command == "params":
-            if args.defaults:
-                print(render_defaults(), end="")
-            else:
-                print(load_params(args.params, _overrides(args)))
+            text = (
+                render_defaults()
+                if args.defaults
+                else f"{load_params(args.params, overrides(args))}\n"
+            )
+            print(text, end="")
             return 0
-        module = _stage_module(args.command)
-        params = load_params(args.params, _overrides(args)) if module.PARAMS else None
-        print(f"reprotrain {args.command}: {module.run(params, args)}")
+        module = _module(args.command)
+        params = load_params(args.params, overrides(args)) if module.PARAMS else None
+        result = module.run(params, args)
+        if isinstance(result, int):
+            return result
+        print(f"reprotrain {args.command}: {result}")
         return 0
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, ChecksumError, CheckpointError) as err:
         print(f"reprotrain: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except DeterminismError as err:

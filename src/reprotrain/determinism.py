@@ -196,3 +196,17 @@ def configure_determinism(seed: int, mode: Mode = True) -> DeterminismSettings:
         seed_workers=os.environ.get("PL_SEED_WORKERS") == "1",
         problems=tuple(problems),
     )
+
+
+def explain_nondeterministic_error(err: RuntimeError) -> DeterminismError | None:
+    """A :class:`DeterminismError` naming the op and the fix, if ``err`` is torch's alert."""
+    message = str(err)
+    marker = "does not have a deterministic implementation"
+    if marker not in message:
+        return None
+    op = message.split(marker)[0].strip() or "an operation"
+    return DeterminismError(
+        f"{op} has no deterministic implementation on this device, so it cannot run with "
+        "deterministic: true. Fix: replace the op (or run it on the CPU), or set "
+        "deterministic: warn to run it anyway and accept that reruns may differ"
+    )

@@ -80,9 +80,14 @@ class Params:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def select(self, keys: Iterable[str]) -> dict[str, Any]:
-        """The values of dotted ``keys``, e.g. ``{"train.lr": 0.002}``."""
+        """Flat values under dotted ``keys`` (keys or whole sections): ``{"train.lr": 0.005}``."""
         flat = flatten(dataclasses.asdict(self))
-        return {key: flat[key] for key in keys}
+        wanted = tuple(keys)
+        return {
+            name: value
+            for name, value in flat.items()
+            if any(name == key or name.startswith(f"{key}.") for key in wanted)
+        }
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

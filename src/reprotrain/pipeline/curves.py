@@ -3,6 +3,8 @@
 Lightning's CSV and TensorBoard loggers write into ``version_N`` folders and
 stamp wall-clock times; neither may reach a file whose hash DVC compares. This
 one only collects ``(step, name, value)`` and lets the stage write them.
+:class:`CurveCheckpoint` keeps the rows in checkpoints, so a resumed run's
+curves are those of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import lightning as L
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -41,3 +44,16 @@ class MemoryLogger(Logger):
 
     def rows(self, name: str) -> list[tuple[int, float]]:
         return [(step, value) for step, metric, value in self._rows if metric == name]
+
+
+class CurveCheckpoint(L.Callback):
+    """Saves a :class:`MemoryLogger`'s rows with each checkpoint and restores them on resume."""
+
+    def __init__(self, logger: MemoryLogger) -> None:
+        self.logger = logger
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": [list(row) for row in self.logger._rows]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.logger._rows = [(int(s), str(n), float(v)) for s, n, v in state["rows"]]

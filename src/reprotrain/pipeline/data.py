@@ -9,11 +9,14 @@ exactly one metadata key whose value is canonical JSON (see
 :func:`reprotrain.hashing.safetensors_metadata`).
 
 Data order is pinned by a ``torch.Generator`` seeded from ``seed`` and owned
-by the training DataLoader, so it does not depend on how much of the global
-random stream the model consumed. The shift augmentation draws from numpy's
-global generator inside the worker processes: its output is reproducible only
-because every worker is seeded (Lightning's worker init function, enabled by
-``configure_determinism``), which is why ``num_workers`` defaults to 2.
+by the data module (``train_generator``), so it does not depend on how much
+of the global random stream the model consumed, and a checkpoint can save it.
+The shift augmentation draws from numpy's global generator inside the worker
+processes: its output is reproducible only because every worker is seeded
+(Lightning's worker init function, enabled by ``configure_determinism``),
+which is why ``num_workers`` defaults to 2. Workers are not persistent: each
+epoch's workers are seeded from ``train_generator``, so resuming at an epoch
+boundary with that generator restored replays the same augmentation.
 """
 
 from __future__ import annotations
@@ -30,12 +33,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from reprotrain.atomic import atomic_path
 from reprotrain.hashing import load_safetensors, safetensors_metadata
+from reprotrain.pipeline.errors import DataError
 
 SPLITS = ("train", "val", "test")
-
-
-class DataError(ValueError):
-    """A dataset file is missing or malformed; the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class PreparedDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.augment = augment
-        self.seed = seed
+        self.train_generator = torch.Generator().manual_seed(seed)
 
     def train_dataloader(self) -> DataLoader:
         x, y = self.data.split("train")
@@ -127,6 +127,5 @@ class PreparedDataModule(L.LightningDataModule):
             batch_size=self.batch_size,
             shuffle=shuffle,
             num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
+            generator=self.train_generator if shuffle else None,
         )

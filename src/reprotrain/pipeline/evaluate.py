@@ -1,7 +1,9 @@
 """Stage ``evaluate``: trained weights + test split -> ``metrics.json`` and a confusion CSV.
 
 The network is rebuilt from the params stored in the weights file itself, so
-this stage reads nothing from ``params.yaml``. It runs on the CPU in eval mode
+this stage reads nothing from ``params.yaml``. With ``--dvc-lock`` the data
+and the weights are first checked against the md5 DVC recorded: a corrupted
+or tampered file is refused before it is read. It runs on the CPU in eval mode
 (no dropout, no randomness) with deterministic algorithms on, in fixed-size
 chunks: identical weights give identical metric bytes.
 """
@@ -18,8 +20,10 @@ from torch.nn import functional as F
 from reprotrain.atomic import atomic_write_text
 from reprotrain.hashing import canonical_json, load_safetensors
 from reprotrain.pipeline.config import Params, parse_params
-from reprotrain.pipeline.data import DataError, load_prepared
+from reprotrain.pipeline.data import load_prepared
+from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.model import build_network
+from reprotrain.provenance import verify_dvc_checksum
 
 #: The params.yaml keys this stage reads: none, the model file carries them.
 PARAMS: tuple[str, ...] = ()
@@ -31,9 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, required=True, help="trained weights")
     parser.add_argument("--metrics", type=Path, required=True, help="test metrics JSON")
     parser.add_argument("--plots", type=Path, required=True, help="folder for confusion CSV")
+    parser.add_argument("--dvc-lock", type=Path, help="verify --data and --model against it")
 
 
 def run(_: Params | None, args: argparse.Namespace) -> str:
+    if args.dvc_lock:
+        for path in (args.data, args.model):
+            if not path.is_file():
+                raise DataError(f"{path}: not found; run `dvc repro`")
+            verify_dvc_checksum(path, args.dvc_lock)
     data = load_prepared(args.data)
     net = load_network(args.model)
     torch.use_deterministic_algorithms(True)

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from reprotrain.pipeline.config import DataConfig, Params
-from reprotrain.pipeline.data import SPLITS, DataError, PreparedData, save_prepared
+from reprotrain.pipeline.data import SPLITS, PreparedData, save_prepared
+from reprotrain.pipeline.errors import DataError
 
 #: The params.yaml keys this stage reads; dvc.yaml lists exactly these.
 PARAMS = ("seed", "data.source", "data.val_fraction", "data.test_fraction")

@@ -1,11 +1,14 @@
-"""Stage ``train``: prepared data -> ``model.safetensors``, metrics and curves.
+"""Stage ``train``: prepared data -> ``model.safetensors``, metrics, curves, run record.
 
-Reads top to bottom: configure determinism (before anything touches CUDA),
-load the prepared data, fit with Lightning, then write every output
-atomically. Nothing written contains a time, a path, a host name or a logger
-version folder, so identical training gives identical bytes: the weights as
-safetensors (the resolved params and the determinism settings ride along in
-its metadata), metrics as canonical JSON, curves as CSV for ``dvc plots``.
+Reads top to bottom: configure determinism (before anything touches CUDA);
+refuse a drifted lock in ``true`` mode; check the prepared data against the
+checksum DVC recorded and compute the run ID; resume from this run ID's
+newest verified checkpoint if an earlier attempt was interrupted; fit with
+Lightning, checkpointing at every epoch end with the full random state; then
+write every output atomically, the run record (``run.json``: run ID and
+output hashes) last, and drop the checkpoints. Nothing written contains a
+time, a path, a host name or a logger version folder, so identical training
+gives identical bytes, resumed or not.
 """
 
 from __future__ import annotations
@@ -14,20 +17,36 @@ import argparse
 import dataclasses
 import logging
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save_file
 
 from reprotrain.atomic import atomic_path, atomic_write_text
-from reprotrain.determinism import DeterminismSettings, configure_determinism
+from reprotrain.determinism import (
+    DeterminismError,
+    DeterminismSettings,
+    configure_determinism,
+    explain_nondeterministic_error,
+)
 from reprotrain.hashing import canonical_json, safetensors_metadata
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.curves import MemoryLogger
+from reprotrain.pipeline.curves import CurveCheckpoint, MemoryLogger
 from reprotrain.pipeline.data import PreparedData, PreparedDataModule, load_prepared
 from reprotrain.pipeline.model import Classifier
+from reprotrain.pipeline.run_record import load_environment, run_inputs, write_run_record
+from reprotrain.provenance import run_id
+from reprotrain.resume import (
+    CheckpointError,
+    RandomStateCallback,
+    VerifiedCheckpointIO,
+    checkpoint_run_id,
+    latest_checkpoint,
+)
 
 #: The params.yaml keys this stage reads; dvc.yaml lists exactly these.
 PARAMS = (
@@ -46,13 +65,143 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, required=True, help="weights to write")
     parser.add_argument("--metrics", type=Path, required=True, help="training metrics JSON")
     parser.add_argument("--plots", type=Path, required=True, help="folder for curve CSVs")
+    parser.add_argument("--env", type=Path, required=True, help="environment record (env stage)")
+    parser.add_argument("--run-record", type=Path, required=True, help="run.json to write")
+    parser.add_argument("--checkpoints", type=Path, required=True, help="checkpoint folder")
+    parser.add_argument("--dvc-lock", type=Path, help="verify --data against this dvc.lock")
 
 
 def run(params: Params, args: argparse.Namespace) -> str:
     settings = configure_determinism(params.seed, params.deterministic)
+    environment = load_environment(args.env)
+    _check_lock(environment["lock"], params.deterministic)
+    inputs = run_inputs(__name__, params, PARAMS, args.data, environment, args.dvc_lock, settings)
+    identity = run_id(inputs)
+    run_dir = args.checkpoints / identity
+    resume_from = find_resume_point(run_dir, identity)
     data = load_prepared(args.data)
-    module, logger = fit(params, data, settings)
+    module, logger = fit(params, data, settings, run_dir, identity, resume_from)
 
+    outputs = _write_outputs(args, params, data, settings, module, logger)
+    write_run_record(args.run_record, inputs, outputs)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    resumed = f", resumed from {resume_from.name}" if resume_from else ""
+    return f"trained -> {args.model}, run {identity[:12]}{resumed}"
+
+
+def _check_lock(lock: dict, mode: object) -> None:
+    if lock["exact"]:
+        return
+    drift = ", ".join(
+        f"{d['package']} {d['installed']} (lock {d['locked']})" for d in lock["drift"]
+    )
+    message = (
+        f"installed packages differ from {lock['file']}: {drift}; reinstall from the lock "
+        "(`make venv`), or set deterministic: warn to train anyway"
+    )
+    if mode is True:
+        raise DeterminismError(message)
+    if mode == "warn":
+        warnings.warn(message, stacklevel=2)
+
+
+def find_resume_point(run_dir: Path, identity: str) -> Path | None:
+    """This run's newest verified checkpoint; refuses tampered files and other runs' files."""
+    if not run_dir.is_dir():
+        return None
+    newest = latest_checkpoint(run_dir)
+    if newest is None:
+        return None
+    owner = checkpoint_run_id(newest)
+    if owner != identity:
+        raise CheckpointError(
+            f"{newest}: written for run {str(owner)[:12]}, not this run {identity[:12]}: "
+            "its params, data, code or environment differ, so resuming would mix two runs; "
+            "delete it to start over"
+        )
+    return newest
+
+
+def fit(
+    params: Params,
+    data: PreparedData,
+    settings: DeterminismSettings,
+    checkpoint_dir: Path | None = None,
+    identity: str | None = None,
+    resume_from: Path | None = None,
+    random_state: bool = True,
+) -> tuple[Classifier, MemoryLogger]:
+    """Build the model and data module from ``params`` and fit them with Lightning.
+
+    With ``checkpoint_dir``, a verified checkpoint is written at every epoch
+    end (the newest one kept), and ``resume_from`` continues from one. The
+    random state rides along unless ``random_state=False``, which exists for
+    the negative control (resume then differs) and the overhead benchmark.
+    """
+    module = Classifier(params.model, params.train, data.input_shape, data.num_classes)
+    datamodule = PreparedDataModule(
+        data,
+        batch_size=params.data.batch_size,
+        num_workers=params.data.num_workers,
+        augment=params.data.augment,
+        seed=params.seed,
+    )
+    logger = MemoryLogger()
+    callbacks: list[L.Callback] = []
+    if checkpoint_dir is not None:
+        generators = {"train_loader": datamodule.train_generator}
+        callbacks = [
+            RandomStateCallback(generators, run_id=identity, restore=random_state),
+            CurveCheckpoint(logger),
+            ModelCheckpoint(
+                dirpath=checkpoint_dir,
+                filename="epoch={epoch}",
+                auto_insert_metric_name=False,
+                save_top_k=1,
+                every_n_epochs=1,
+                enable_version_counter=False,
+            ),
+        ]
+    # Lightning 2.6 trips over its own use of a deprecated torch pytree API on every fit,
+    # and warns about the (expected) earlier checkpoints when a run resumes.
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    interactive = sys.stderr.isatty() and not os.environ.get("CI")
+    if not interactive:
+        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    trainer = L.Trainer(
+        accelerator=params.train.accelerator,
+        devices=params.train.devices,
+        precision=params.train.precision,
+        max_epochs=params.train.max_epochs,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=callbacks,
+        plugins=[VerifiedCheckpointIO()],
+        enable_checkpointing=checkpoint_dir is not None,
+        enable_model_summary=False,
+        enable_progress_bar=interactive,
+        num_sanity_val_steps=0,
+        **settings.trainer_flags(),
+    )
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    except RuntimeError as err:
+        explained = explain_nondeterministic_error(err)
+        if explained is None:
+            raise
+        raise explained from None
+    return module, logger
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    params: Params,
+    data: PreparedData,
+    settings: DeterminismSettings,
+    module: Classifier,
+    logger: MemoryLogger,
+) -> dict[str, Path]:
     weights = {name: t.detach().cpu().contiguous() for name, t in module.net.state_dict().items()}
     metadata = safetensors_metadata(
         {
@@ -80,42 +229,7 @@ def run(params: Params, args: argparse.Namespace) -> str:
         for epoch, ((_, loss), (_, acc)) in enumerate(zip(val_loss, val_acc, strict=True))
     ]
     atomic_write_text(args.plots / "val.csv", _csv(("epoch", "val_loss", "val_acc"), val_rows))
-    return f"trained {metrics['epochs']} epochs, val_acc {val_acc[-1][1]:.4f} -> {args.model}"
-
-
-def fit(
-    params: Params, data: PreparedData, settings: DeterminismSettings
-) -> tuple[Classifier, MemoryLogger]:
-    """Build the model and data module from ``params`` and fit them with Lightning."""
-    module = Classifier(params.model, params.train, data.input_shape, data.num_classes)
-    datamodule = PreparedDataModule(
-        data,
-        batch_size=params.data.batch_size,
-        num_workers=params.data.num_workers,
-        augment=params.data.augment,
-        seed=params.seed,
-    )
-    logger = MemoryLogger()
-    # Lightning 2.6 trips over its own use of a deprecated torch pytree API on every fit.
-    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
-    interactive = sys.stderr.isatty() and not os.environ.get("CI")
-    if not interactive:
-        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    trainer = L.Trainer(
-        accelerator=params.train.accelerator,
-        devices=params.train.devices,
-        precision=params.train.precision,
-        max_epochs=params.train.max_epochs,
-        logger=logger,
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=interactive,
-        num_sanity_val_steps=0,
-        **settings.trainer_flags(),
-    )
-    trainer.fit(module, datamodule=datamodule)
-    return module, logger
+    return {"model": args.model, "metrics": args.metrics}
 
 
 def _csv(header: tuple[str, ...], rows: list[tuple[float, ...]]) -> str:

@@ -1,0 +1,215 @@
+"""Step time with and without TraceCallback, for the pipeline's model and a ~10M-parameter MLP.
+
+One process, interleaved fits (off, default, full, off, default, full, ...)
+after one warm-up fit of each, same seed and determinism flags throughout.
+Step time is measured by a callback placed before the trace: the time from
+one training batch's start to the next one's in the same epoch, so it holds
+every per-step cost of tracing (hooks, fingerprints, the weight rows every
+``weights_every`` steps) and none of validation or start-up. Reported: the
+median over fits of each fit's mean step time, and its ratio to tracing off;
+and, because that ratio moves by several percent when another process shares
+the machine, the time spent inside the trace's hooks per step, directly, with
+``1 + hook time / untraced step time`` beside it.
+The pipeline model loads data in the main process (``--workers 0``): worker
+processes on 2 cores add noise that has nothing to do with tracing.
+``--threads 1`` trains on one thread, which a shared machine disturbs far
+less (two threads stall at every barrier while the other core is busy).
+Target: default detail on the 10M model at most 1.03.
+
+    .venv/bin/python benchmarks/trace_overhead.py [--repeats 5] [--epochs 3] [--mlp-steps 64]
+        [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from _workspace import ROOT, train_workspace
+from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
+from reprotrain.pipeline.config import load_params
+from reprotrain.pipeline.data import PreparedDataModule, load_prepared
+from reprotrain.pipeline.model import Classifier
+from reprotrain.trace import DEFAULT_WEIGHTS_EVERY, TraceCallback
+
+MODES = ("off", "default", "full")
+
+
+class StepTimer(L.Callback):
+    """Times between consecutive training-batch starts within an epoch."""
+
+    def __init__(self) -> None:
+        self.deltas: list[float] = []
+        self._last: tuple[int, float] | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        now = time.perf_counter()
+        if self._last is not None and self._last[0] == trainer.current_epoch:
+            self.deltas.append(now - self._last[1])
+        self._last = (trainer.current_epoch, now)
+
+    def on_train_epoch_end(self, *_: Any) -> None:
+        self._last = None
+
+
+class MLP(L.LightningModule):
+    """1024 -> 2048 -> 2048 -> 1536 -> 10 with ReLU: 9.46M parameters, Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        widths = (1024, 2048, 2048, 1536)
+        layers: list[nn.Module] = []
+        for width_in, width_out in itertools.pairwise(widths):
+            layers += [nn.Linear(width_in, width_out), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(widths[-1], 10))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class TimedTrace(TraceCallback):
+    """TraceCallback that also adds up the wall time spent inside its per-step hooks."""
+
+    seconds = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        start = time.perf_counter()
+        super().on_train_batch_start(*args)
+        self.seconds += time.perf_counter() - start
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        start = time.perf_counter()
+        super().on_before_optimizer_step(*args)
+        self.seconds += time.perf_counter() - start
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        start = time.perf_counter()
+        super().on_train_batch_end(*args)
+        self.seconds += time.perf_counter() - start
+
+
+def timed_fit(
+    build: Callable[[], tuple[L.LightningModule, Any]], mode: str, epochs: int, work: Path
+) -> tuple[float, float]:
+    """(mean step time, mean time inside the trace hooks per step) of one fit."""
+    settings = configure_determinism(42, True)
+    module, data = build()
+    timer = StepTimer()
+    trace = TimedTrace(
+        work / f"trace-{mode}.safetensors", detail="full" if mode == "full" else "default"
+    )
+    callbacks: list[L.Callback] = [timer] if mode == "off" else [timer, trace]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        **settings.trainer_flags(),
+    )
+    if isinstance(data, DataLoader):
+        trainer.fit(module, data)
+    else:
+        trainer.fit(module, datamodule=data)
+    steps = trainer.global_step
+    return statistics.fmean(timer.deltas), trace.seconds / steps
+
+
+def measure(name: str, build: Callable[[], tuple[Any, Any]], epochs: int, repeats: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in MODES:  # warm-up: thread pools, allocator, first-call costs
+            timed_fit(build, mode, epochs, Path(tmp))
+        runs: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
+        for _ in range(repeats):
+            for mode in MODES:
+                runs[mode].append(timed_fit(build, mode, epochs, Path(tmp)))
+    step = {mode: statistics.median(s for s, _ in values) for mode, values in runs.items()}
+    print(f"{name}: {repeats} interleaved repeats, median over fits")
+    print("  mode      step ms  ratio | in-hook ms/step  1 + hook/off-step | step ms per fit")
+    for mode in MODES:
+        hook = statistics.median(h for _, h in runs[mode])
+        each = ", ".join(f"{s * 1e3:.1f}" for s, _ in runs[mode])
+        print(
+            f"  {mode:8s} {step[mode] * 1e3:7.2f}  {step[mode] / step['off']:.3f} |"
+            f" {hook * 1e3:15.3f}  {1 + hook / step['off']:17.3f} | {each}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=3, help="epochs of the pipeline model")
+    parser.add_argument("--mlp-steps", type=int, default=64, help="steps per MLP fit")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--workers", type=int, default=0, help="pipeline DataLoader workers")
+    cli = parser.parse_args()
+    reexec_with_fixed_hash_seed()
+    if cli.threads:
+        torch.set_num_threads(cli.threads)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")  # Lightning's advice on workers and deprecations
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"TraceCallback default weights_every={DEFAULT_WEIGHTS_EVERY}")  # fmt: skip
+
+    params = load_params(ROOT / "params.yaml", [])
+    with train_workspace(params) as args:
+        prepared = load_prepared(args.data)
+
+        def pipeline_model() -> tuple[L.LightningModule, Any]:
+            module = Classifier(
+                params.model, params.train, prepared.input_shape, prepared.num_classes
+            )
+            data = PreparedDataModule(
+                prepared,
+                params.data.batch_size,
+                cli.workers,
+                params.data.augment,
+                params.seed,
+            )
+            return module, data
+
+        size = sum(p.numel() for p in pipeline_model()[0].parameters())
+        name = f"pipeline Classifier ({size:,} parameters, default params, {cli.workers} workers)"
+        measure(name, pipeline_model, cli.epochs, cli.repeats)
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64 * cli.mlp_steps, 1024, generator=gen)
+    y = torch.randint(0, 10, (len(x),), generator=gen)
+
+    def mlp() -> tuple[L.LightningModule, Any]:
+        loader = DataLoader(
+            TensorDataset(x, y),
+            batch_size=64,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(0),
+        )
+        return MLP(), loader
+
+    size = sum(p.numel() for p in MLP().parameters())
+    measure(f"MLP ({size:,} parameters, batch 64, Adam)", mlp, 1, cli.repeats)
+
+
+if __name__ == "__main__":
+    main()

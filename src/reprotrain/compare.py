@@ -1,0 +1,374 @@
+"""Compare two runs: their traces, their weights, their environments.
+
+``compare_traces`` finds the first training step at which two traces (from
+:class:`reprotrain.trace.TraceCallback`) differ and which record differed
+first there, checked in the order the step computes them: batch, RNG state,
+loss, gradients, parameters. From that it names a likely cause:
+
+* batch first: the data pipeline (order or augmentation) changed;
+* RNG first: something consumed random numbers differently;
+* loss or gradients first, with the same batch, RNG state and parameters
+  before the step: a non-deterministic kernel in forward or backward;
+* parameters first, with equal gradients: the optimizer.
+
+Gradients and parameters are compared on the rows both traces traced them
+(``weights_every``); when a loss differs first after untraced rows, the
+diagnosis names the steps a backward or optimizer cause may hide in. It is a
+diagnosis from fingerprints, not a proof: where the bits first part, and the
+usual reason for that place. With ``detail="full"`` traces it also names the
+first parameter tensor (or RNG source) that differs.
+``compare_weights`` compares two state dicts tensor by tensor;
+``compare_environments`` lists environment fields that differ and whether each
+voids the bitwise guarantee, from the small rule table ``ENV_RULES``.
+``ComparisonReport`` renders all three as text or as a JSON-ready dict.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from reprotrain.atomic import atomic_path
+from reprotrain.trace import RECORDS, Trace
+
+DIAGNOSES = {
+    "schedule": "training schedule differs (step, epoch or batch numbering)",
+    "batch": "data pipeline: data order or augmentation changed",
+    "rng": "random consumption changed: something drew random numbers differently",
+    "loss": "non-deterministic kernel in the forward pass (same batch, RNG and parameters)",
+    "grads": "non-deterministic kernel in the backward pass (same batch, RNG, parameters, loss)",
+    "params": "optimizer: same gradients, different update",
+    "length": "runs have different step counts; all common steps are identical",
+}
+
+
+@dataclass(frozen=True)
+class TraceDiff:
+    """Where two traces first differ; ``identical`` when they never do."""
+
+    identical: bool
+    steps_a: int
+    steps_b: int
+    first_step: int | None = None
+    first_row: int | None = None
+    record: str | None = None
+    diagnosis: str = "identical"
+    tensor: str | None = None
+    records_differing: tuple[str, ...] = ()
+    initial_params_equal: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["records_differing"] = list(self.records_differing)
+        return out
+
+    def to_text(self) -> str:
+        if self.identical:
+            return f"traces identical ({self.steps_a} steps)"
+        lines = [
+            f"traces diverge at step {self.first_step} (row {self.first_row}): "
+            f"{self.record} differs first",
+            f"  diagnosis: {self.diagnosis}",
+        ]
+        if self.tensor:
+            lines.append(f"  first differing tensor: {self.tensor}")
+        if self.records_differing:
+            lines.append(f"  differing at that step: {', '.join(self.records_differing)}")
+        if self.steps_a != self.steps_b:
+            lines.append(f"  step counts: {self.steps_a} vs {self.steps_b}")
+        return "\n".join(lines)
+
+
+def _first_column(a: np.ndarray | None, b: np.ndarray | None, row: int) -> int | None:
+    if a is None or b is None or a.shape[1:] != b.shape[1:]:
+        return None
+    columns = np.flatnonzero(a[row] != b[row])
+    return int(columns[0]) if columns.size else None
+
+
+def _columns(trace: Trace, rows: int) -> dict[str, np.ndarray]:
+    """Per-row values of each check, in the order a step computes them."""
+    schedule = np.stack([trace.step, trace.epoch, trace.batch_idx], axis=1)
+    return {"schedule": schedule[:rows], **{n: trace.records[n][:rows] for n in RECORDS}}
+
+
+def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    unequal = a != b
+    return unequal.any(axis=1) if unequal.ndim > 1 else unequal
+
+
+def _kernel_diagnosis(
+    a: Trace, record: str, row: int, traced: np.ndarray, params_differ: np.ndarray, initial: bool
+) -> str:
+    """A kernel is to blame only if the step started from the same parameters; say if unknown."""
+    diagnosis = DIAGNOSES[record]
+    if row == 0 or traced[row - 1]:
+        before_equal = initial if row == 0 else not params_differ[row - 1]
+        if before_equal:
+            return diagnosis
+        return "parameters differed before this step (initialisation or loading)"
+    if record == "grads":  # the same loss bits at this step vouch for the same parameters
+        return diagnosis
+    earlier = np.flatnonzero(traced[:row])
+    since = f"step {int(a.step[earlier[-1]]) + 1}" if earlier.size else "the start"
+    return (
+        f"{diagnosis}; or a backward kernel or the optimizer between {since} and this step, "
+        "where weights were not traced (rerun with weights_every=1 to tell)"
+    )
+
+
+def compare_traces(a: Trace, b: Trace) -> TraceDiff:
+    """First step and record at which ``a`` and ``b`` differ, with a likely cause."""
+    common = min(a.num_steps, b.num_steps)
+    initial_equal = a.initial_params == b.initial_params
+    base = {"steps_a": a.num_steps, "steps_b": b.num_steps, "initial_params_equal": initial_equal}
+    cols_a, cols_b = _columns(a, common), _columns(b, common)
+    differs = {name: _rows_differ(cols_a[name], cols_b[name]) for name in cols_a}
+    traced = a.weights_traced[:common] & b.weights_traced[:common]
+    differs["grads"] &= traced  # untraced rows hold 0 in both: nothing to compare
+    differs["params"] &= traced
+    any_row = np.logical_or.reduce(list(differs.values()))
+    if not any_row.any():
+        if a.num_steps == b.num_steps:
+            return TraceDiff(identical=True, **base)
+        longer = a if a.num_steps > common else b
+        return TraceDiff(
+            False,
+            **base,
+            first_step=int(longer.step[common]),
+            first_row=common,
+            record="length",
+            diagnosis=DIAGNOSES["length"],
+        )
+    row = int(np.argmax(any_row))
+    differing = tuple(name for name, rows in differs.items() if rows[row])
+    record = differing[0]
+    diagnosis = DIAGNOSES[record]
+    if record in ("loss", "grads"):
+        diagnosis = _kernel_diagnosis(a, record, row, traced, differs["params"], initial_equal)
+    tensor = None
+    if record in ("grads", "params") and a.param_names == b.param_names:
+        per_param = "grads_per_param" if record == "grads" else "params_per_param"
+        column = _first_column(getattr(a, per_param), getattr(b, per_param), row)
+        tensor = None if column is None else a.param_names[column]
+    elif record == "rng" and a.rng_sources == b.rng_sources:
+        column = _first_column(a.rng_per_source, b.rng_per_source, row)
+        tensor = None if column is None else a.rng_sources[column]
+    return TraceDiff(
+        False,
+        **base,
+        first_step=int(a.step[row]),
+        first_row=row,
+        record=record,
+        diagnosis=diagnosis,
+        tensor=tensor,
+        records_differing=differing,
+    )
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """One tensor of two state dicts; ``status`` is equal, different, missing, extra or shape."""
+
+    name: str
+    status: Literal["equal", "different", "missing", "extra", "shape"]
+    max_abs_diff: float | None = None
+    rel_l2: float | None = None
+    shape_a: tuple[int, ...] | None = None
+    shape_b: tuple[int, ...] | None = None
+    dtype_a: str | None = None
+    dtype_b: str | None = None
+
+    @property
+    def equal(self) -> bool:
+        return self.status == "equal"
+
+    def to_text(self) -> str:
+        if self.status in ("equal", "different"):
+            return (
+                f"{self.name}: {self.status}, max |a-b| {self.max_abs_diff:.3g}, "
+                f"rel L2 {self.rel_l2:.3g}"
+            )
+        if self.status == "shape":
+            return f"{self.name}: shape {self.shape_a} vs {self.shape_b}"
+        side = "b" if self.status == "missing" else "a"
+        return f"{self.name}: {self.status} (not in {side})"
+
+
+def compare_weights(
+    a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]
+) -> list[TensorDiff]:
+    """Per tensor, in name order: bitwise equality, max abs diff and ||a-b|| / ||a||."""
+    out: list[TensorDiff] = []
+    for name in sorted(set(a) | set(b)):
+        if name not in b:
+            out.append(TensorDiff(name, "missing", shape_a=tuple(a[name].shape)))
+            continue
+        if name not in a:
+            out.append(TensorDiff(name, "extra", shape_b=tuple(b[name].shape)))
+            continue
+        ta, tb = a[name].detach().cpu(), b[name].detach().cpu()
+        shapes = {"shape_a": tuple(ta.shape), "shape_b": tuple(tb.shape)}
+        dtypes = {"dtype_a": str(ta.dtype), "dtype_b": str(tb.dtype)}
+        if ta.shape != tb.shape:
+            out.append(TensorDiff(name, "shape", **shapes, **dtypes))
+            continue
+        wide = torch.complex128 if ta.is_complex() or tb.is_complex() else torch.float64
+        delta = ta.to(wide) - tb.to(wide)
+        max_abs = float(delta.abs().max()) if delta.numel() else 0.0
+        norm_a = float(torch.linalg.vector_norm(ta.to(wide)))
+        norm_d = float(torch.linalg.vector_norm(delta))
+        rel = norm_d / norm_a if norm_a else (0.0 if norm_d == 0 else float("inf"))
+        # torch.equal, not the float diff: -0.0 vs 0.0 or a NaN payload is a bit difference.
+        status = "equal" if ta.dtype == tb.dtype and torch.equal(ta, tb) else "different"
+        out.append(TensorDiff(name, status, max_abs, rel, **shapes, **dtypes))
+    return out
+
+
+Verdict = Literal["voids", "may matter", "no"]
+
+
+@dataclass(frozen=True)
+class EnvRule:
+    """Keys whose lowercase dotted name contains ``pattern`` as a whole word get ``verdict``."""
+
+    pattern: str
+    verdict: Verdict
+    why: str
+
+
+#: First match wins; unmatched keys are "no". Word boundaries are ".", "_", "-" and the ends.
+ENV_RULES: tuple[EnvRule, ...] = (
+    EnvRule(r"gpus?|device_name|device_model", "voids", "GPU model changes kernels"),
+    EnvRule(r"compute_capability|sm|arch_list|cuda_arch", "voids", "GPU architecture"),
+    EnvRule(r"torch|pytorch", "voids", "torch build"),
+    EnvRule(r"cuda|cudnn|cublas|nccl|cufft|curand|rocm|hip", "voids", "GPU library build"),
+    EnvRule(r"cpu|isa|machine|avx\w*|amx\w*|mkl\w*|onednn|\w*blas", "voids", "CPU kernels"),
+    EnvRule(r"threads|num_threads|omp_num_threads|interop_threads", "voids", "reduction order"),
+    EnvRule(r"world_size|backend|num_nodes|devices|accelerator|precision", "voids", "topology"),
+    EnvRule(r"determinis\w*|\w*hash_?seed|\w*tf32\w*|matmul_precision", "voids", "flags"),
+    EnvRule(r"python|lightning|numpy|driver|platform|os|kernel|g?libc", "may matter", "stack"),
+    EnvRule(r"lock|packages|container|image|image_id|base_image", "may matter", "installed set"),
+)
+
+
+def classify_env_key(key: str) -> tuple[Verdict, str]:
+    """The verdict and reason for one dotted environment key, from ``ENV_RULES``."""
+    lowered = key.lower()
+    for rule in ENV_RULES:
+        if re.search(rf"(?<![a-z0-9])(?:{rule.pattern})(?![a-z0-9])", lowered):
+            return rule.verdict, rule.why
+    return "no", "provenance only"
+
+
+@dataclass(frozen=True)
+class EnvDiff:
+    key: str
+    a: Any
+    b: Any
+    verdict: Verdict
+    why: str
+
+    @property
+    def voids(self) -> bool:
+        return self.verdict == "voids"
+
+    def to_text(self) -> str:
+        return f"{self.key}: {self.a!r} -> {self.b!r} [{self.verdict}: {self.why}]"
+
+
+_ABSENT = object()
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (Mapping, list)) for v in value):
+        out = {}
+        for index, item in enumerate(value):
+            out.update(_flatten(item, f"{prefix}.{index}"))
+        return out
+    return {prefix: list(value) if isinstance(value, tuple) else value}
+
+
+def compare_environments(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[EnvDiff]:
+    """Fields (dotted keys) whose values differ, each with whether it voids the guarantee."""
+    flat_a, flat_b = _flatten(a), _flatten(b)
+    out = []
+    for key in sorted(set(flat_a) | set(flat_b)):
+        va, vb = flat_a.get(key, _ABSENT), flat_b.get(key, _ABSENT)
+        if va != vb:
+            verdict, why = classify_env_key(key)
+            va, vb = (None if v is _ABSENT else v for v in (va, vb))
+            out.append(EnvDiff(key, va, vb, verdict, why))
+    return out
+
+
+@dataclass(frozen=True)
+class ComparisonReport:
+    """Everything known about two runs; ``to_text()`` for people, ``to_dict()`` for JSON."""
+
+    trace: TraceDiff | None = None
+    weights: list[TensorDiff] = field(default_factory=list)
+    environment: list[EnvDiff] = field(default_factory=list)
+
+    @property
+    def guarantee_applies(self) -> bool:
+        """False when an environment difference voids the bitwise guarantee."""
+        return not any(d.voids for d in self.environment)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "trace": None if self.trace is None else self.trace.to_dict(),
+            "weights": [{**asdict(d), "equal": d.equal} for d in self.weights],
+            "weights_equal": all(d.equal for d in self.weights),
+            "environment": [{**asdict(d), "voids": d.voids} for d in self.environment],
+            "guarantee_applies": self.guarantee_applies,
+        }
+
+    def to_text(self) -> str:
+        parts = []
+        if self.trace is not None:
+            parts.append(self.trace.to_text())
+        if self.weights:
+            unequal = [d for d in self.weights if not d.equal]
+            parts.append(f"weights: {len(self.weights) - len(unequal)}/{len(self.weights)} equal")
+            parts += [f"  {d.to_text()}" for d in unequal]
+        if self.environment:
+            verdict = "applies" if self.guarantee_applies else "VOID"
+            parts.append(f"environment: {len(self.environment)} differences, guarantee {verdict}")
+            parts += [f"  {d.to_text()}" for d in self.environment]
+        return "\n".join(parts) or "nothing compared"
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+def plot_losses(a: Trace, b: Trace, path: str | Path, labels: tuple[str, str] = ("a", "b")) -> None:
+    """Write a PNG: both runs' per-step loss, and b - a over their common steps."""
+    # Figure + Agg canvas, not pyplot: no global backend switch, no GUI needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 6))
+    FigureCanvasAgg(figure)
+    top, bottom = figure.subplots(2, 1, sharex=True)
+    for trace, label in zip((a, b), labels, strict=True):
+        top.plot(trace.step, trace.loss_value, label=label, linewidth=1)
+    top.set_ylabel("loss")
+    top.legend()
+    common = min(a.num_steps, b.num_steps)
+    bottom.plot(a.step[:common], b.loss_value[:common] - a.loss_value[:common], linewidth=1)
+    bottom.set_ylabel(f"loss {labels[1]} - {labels[0]}")
+    bottom.set_xlabel("step")
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", metadata={"Software": None})

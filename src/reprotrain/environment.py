@@ -1,0 +1,237 @@
+"""The environment that decides the bits, as a record whose bytes change only when it does.
+
+DVC hashes data, code and params but not the machine. :func:`capture_environment`
+records what does decide a run's floating-point results: Python; torch and the
+CUDA, cuDNN, cuBLAS and NCCL builds it runs on; GPU models, compute capability
+and driver; the CPU model and the instruction-set features ATen's kernels
+dispatch on; the variables that fix thread counts and determinism; the OS,
+kernel and glibc; the lock file's sha256 and whether the installed packages
+match it exactly; the container image. It holds no time, host name, PID or
+absolute path, so :func:`canonical_json` of it is byte-stable on one machine
+and a DVC stage that writes it retrains downstream exactly when it changes.
+
+It never imports torch (that alone costs more than a second): versions come
+from package metadata and ``torch/version.py``, GPUs from ``nvidia-smi``.
+Facts only a running torch knows (its thread pools, TF32 switches) are
+recorded by the training process itself, see ``torch_runtime``.
+
+Git state is deliberately *not* here: a commit that only touches the README
+must not evict the cache. :func:`git_state` reports it for run records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from reprotrain.hashing import canonical_json, sha256_file
+
+#: CPU flags that change which SIMD kernels ATen and oneDNN pick.
+DISPATCH_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512dq",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+#: Variables that change kernels, reduction order or thread counts.
+SHAPING_VARIABLES = (
+    "ATEN_CPU_CAPABILITY",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "CUDA_LAUNCH_BLOCKING",
+    "MKL_NUM_THREADS",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NVIDIA_TF32_OVERRIDE",
+    "OMP_NUM_THREADS",
+    "PYTHONHASHSEED",
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+)
+#: Set in the container image (Dockerfile) and by `make docker-repro`.
+IMAGE_DIGEST_VARIABLE = "REPROTRAIN_BASE_IMAGE"
+IMAGE_ID_VARIABLE = "REPROTRAIN_IMAGE_ID"
+_CUDA_PACKAGES = {
+    "cudnn": ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"),
+    "cublas": ("nvidia-cublas", "nvidia-cublas-cu12"),
+    "nccl": ("nvidia-nccl-cu13", "nvidia-nccl-cu12"),
+}
+
+
+def capture_environment(
+    lock: str | Path | None, ignore_packages: Iterable[str] = ()
+) -> dict[str, Any]:
+    """The environment record; ``lock`` is the requirements lock this install should match."""
+    return {
+        "python": {"version": platform.python_version(), "implementation": sys.implementation.name},
+        "torch": _torch_build(),
+        "gpu": _gpus(),
+        "cpu": _cpu(),
+        "os": {
+            "system": platform.system(),
+            "kernel": platform.release(),
+            "machine": platform.machine(),
+            "libc": "-".join(platform.libc_ver()),
+        },
+        "variables": {name: os.environ.get(name) for name in SHAPING_VARIABLES},
+        "lock": lock_status(lock, ignore_packages) if lock else None,
+        "container": {
+            "base_image": os.environ.get(IMAGE_DIGEST_VARIABLE, "none"),
+            "image_id": os.environ.get(IMAGE_ID_VARIABLE, "none"),
+        },
+    }
+
+
+def environment_fingerprint(record: Mapping[str, Any]) -> str:
+    """sha256 of the record's canonical JSON."""
+    return hashlib.sha256(canonical_json(dict(record)).encode()).hexdigest()
+
+
+def _version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _torch_build() -> dict[str, Any]:
+    build: dict[str, Any] = {"version": _version("torch"), "cuda": None, "git": None}
+    try:
+        text = Path(metadata.distribution("torch").locate_file("torch/version.py")).read_text()
+    except (metadata.PackageNotFoundError, OSError):
+        text = ""
+    for key, name in (("cuda", "cuda"), ("git", "git_version")):
+        found = re.search(rf"^{name}\b.*?=\s*'([^']*)'", text, re.M)
+        build[key] = found.group(1) if found else None
+    for library, packages in _CUDA_PACKAGES.items():
+        build[library] = _version(*packages)
+    return build
+
+
+def _gpus() -> list[dict[str, str]]:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    query = "--query-gpu=name,compute_cap,driver_version,memory.total"
+    try:
+        out = subprocess.run(
+            [smi, query, "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        return [{"error": f"nvidia-smi failed: {err}"}]
+    keys = ("name", "compute_capability", "driver", "memory")
+    return [
+        dict(zip(keys, (f.strip() for f in line.split(",")), strict=False))
+        for line in out.splitlines()
+        if line.strip()
+    ]
+
+
+def _cpu() -> dict[str, Any]:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    if found := re.search(r"^model name\s*:\s*(.+)$", text, re.M):
+        model = found.group(1).strip()
+    if found := re.search(r"^flags\s*:\s*(.+)$", text, re.M):
+        flags = set(found.group(1).split())
+    return {
+        "model": model,
+        "dispatch_flags": [flag for flag in DISPATCH_FLAGS if flag in flags],
+        "usable_cpus": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+    }
+
+
+def _canonical_name(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def read_lock_pins(lock: str | Path) -> dict[str, str]:
+    """``{canonical name: version}`` for every ``name==version`` line of a pip lock."""
+    pins = {}
+    for line in Path(lock).read_text().splitlines():
+        if found := re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)", line):
+            pins[_canonical_name(found.group(1))] = found.group(2)
+    return pins
+
+
+def lock_status(lock: str | Path, ignore_packages: Iterable[str] = ()) -> dict[str, Any]:
+    """The lock's sha256 and every difference between it and the installed packages."""
+    pins = read_lock_pins(lock)
+    ignored = {_canonical_name(name) for name in ignore_packages}
+    installed = {
+        _canonical_name(dist.metadata["Name"]): dist.version for dist in metadata.distributions()
+    }
+    drift = []
+    for name in sorted(set(pins) | set(installed)):
+        if name in ignored or pins.get(name) == installed.get(name):
+            continue
+        drift.append({"package": name, "locked": pins.get(name), "installed": installed.get(name)})
+    return {
+        "file": Path(lock).name,
+        "sha256": sha256_file(lock),
+        "exact": not drift,
+        "drift": drift,
+    }
+
+
+def git_state(repo: str | Path, exclude: Iterable[str] = ()) -> dict[str, Any]:
+    """``{"commit": sha or None, "dirty": bool or None}``; ``exclude`` are pathspecs to ignore."""
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=repo, capture_output=True, text=True, check=True, timeout=30
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": None, "dirty": None}
+    status = git("status", "--porcelain", "--", ".", *(f":(exclude){p}" for p in exclude))
+    return {"commit": commit.strip(), "dirty": bool(status and status.strip())}
+
+
+def torch_runtime() -> dict[str, Any]:
+    """What only a running torch knows and that shapes results; call it in the training process."""
+    import torch
+
+    return {
+        "num_threads": torch.get_num_threads(),
+        "num_interop_threads": torch.get_num_interop_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "cudnn_enabled": torch.backends.cudnn.enabled,
+        "cudnn_version": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+    }

@@ -1,0 +1,80 @@
+"""Stage ``env``: the environment record that makes DVC retrain when the machine changes.
+
+``dvc.yaml`` marks this stage ``always_changed``, so it runs on every
+``dvc repro``; its output is a dependency of ``train``. The record's bytes
+change exactly when the environment does (see :mod:`reprotrain.environment`),
+so DVC retrains after a GPU, driver, torch or lock change and keeps its cache
+otherwise. Without ``--out`` the record is printed, with the git state added;
+``--diff A B`` explains how two records differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from reprotrain.atomic import atomic_write_text
+from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS
+from reprotrain.environment import capture_environment, git_state
+from reprotrain.hashing import canonical_json
+from reprotrain.pipeline.config import Params
+from reprotrain.pipeline.errors import DataError
+
+#: The params.yaml keys this stage reads: none.
+PARAMS: tuple[str, ...] = ()
+#: Installed but never in a lock: this project itself (an editable install).
+NOT_LOCKED = ("reprotrain",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--lock", type=Path, help="requirements lock the install should match")
+    what.add_argument(
+        "--diff",
+        nargs=2,
+        type=Path,
+        metavar=("A", "B"),
+        help="explain how two environment records differ and which changes void the guarantee",
+    )
+    parser.add_argument("--out", type=Path, help="write the record here (default: print it)")
+
+
+def record_environment(lock: Path) -> dict[str, Any]:
+    """The record as the stages will see it; ``fingerprint`` captures it the same way."""
+    if not lock.is_file():
+        raise DataError(f"{lock}: lock file not found; pass the lock this venv was built from")
+    # configure_determinism sets this default in the training process; record it as in force.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
+    return capture_environment(lock, ignore_packages=NOT_LOCKED)
+
+
+def run(_: Params | None, args: argparse.Namespace) -> str:
+    if args.diff:
+        return explain_difference(*args.diff)
+    record = record_environment(args.lock)
+    if args.out is None:
+        shown = {**record, "git": git_state(Path.cwd())}
+        return "environment\n" + json.dumps(shown, indent=2, sort_keys=True)
+    atomic_write_text(args.out, canonical_json(record))
+    drift = "" if record["lock"]["exact"] else f"; {len(record['lock']['drift'])} packages drift"
+    return f"recorded environment -> {args.out}{drift}"
+
+
+def explain_difference(a: Path, b: Path) -> str:
+    """Which fields of two environment records differ, and which void bitwise equality."""
+    from reprotrain.compare import compare_environments
+    from reprotrain.pipeline.run_record import load_environment
+
+    diffs = compare_environments(load_environment(a), load_environment(b))
+    if not diffs:
+        return f"{a} and {b}: identical environments; the bitwise guarantee applies"
+    voiding = [d for d in diffs if d.voids]
+    verdict = (
+        f"{len(voiding)} of {len(diffs)} differences void the bitwise guarantee"
+        if voiding
+        else f"{len(diffs)} differences, none voids the bitwise guarantee"
+    )
+    return "\n".join([f"{a} vs {b}: {verdict}", *(f"  {d.to_text()}" for d in diffs)])

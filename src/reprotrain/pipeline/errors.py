@@ -1,0 +1,7 @@
+"""Errors for bad input files; kept free of heavy imports so every command can use them."""
+
+from __future__ import annotations
+
+
+class DataError(ValueError):
+    """A data, model, lock or record file is missing or malformed; the message names it."""

@@ -1,0 +1,43 @@
+"""``reprotrain fingerprint``: the run ID the ``train`` stage would get right now.
+
+It configures determinism exactly as ``train`` does, captures the environment
+afresh (as the ``env`` stage would) and reads the data and lock paths from
+``dvc.yaml``, so after a ``dvc repro`` it prints the ``run_id`` in
+``reports/run.json``; any changed input prints another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from reprotrain.determinism import configure_determinism
+from reprotrain.pipeline import train
+from reprotrain.pipeline.config import Params
+from reprotrain.pipeline.env import record_environment
+from reprotrain.pipeline.run_record import run_inputs
+from reprotrain.pipeline.stages import stage_arguments
+from reprotrain.provenance import run_id
+
+PARAMS = train.PARAMS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dvc-yaml", type=Path, default=Path("dvc.yaml"), help="pipeline file")
+    parser.add_argument("--json", action="store_true", help="print the inputs as JSON too")
+
+
+def run(params: Params, args: argparse.Namespace) -> int:
+    environment = record_environment(stage_arguments("env", args.dvc_yaml).lock)
+    settings = configure_determinism(params.seed, params.deterministic)
+    train_args = stage_arguments("train", args.dvc_yaml)
+    inputs = run_inputs(
+        train.__name__, params, PARAMS, train_args.data, environment, train_args.dvc_lock, settings
+    )
+    identity = run_id(inputs)
+    if args.json:
+        print(json.dumps({"run_id": identity, "inputs": inputs}, indent=2, sort_keys=True))
+    else:
+        print(identity)
+    return 0

@@ -1,0 +1,83 @@
+"""The train stage's run record: its inputs, its run ID and its output hashes.
+
+``reports/run.json`` states the contract "same run ID => same output hashes".
+The run ID covers the stage's params, the md5 of the data it trains on
+(checked against what DVC recorded), the lock's sha256, the sha256 of the
+stage's source files (its module and every ``reprotrain`` module it imports:
+the same files ``dvc.yaml`` lists as its deps), the environment record's fingerprint, the
+determinism settings in force and torch's runtime switches (threads, TF32).
+The git commit is deliberately absent: the code itself is hashed, and the
+commit that holds ``run.json`` is its provenance. Were it inside, a commit
+that only touches the README would change ``run.json`` and so ``dvc.lock``,
+and CI could no longer compare reruns by their bits.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import reprotrain
+from reprotrain.atomic import atomic_write_text
+from reprotrain.determinism import DeterminismSettings
+from reprotrain.environment import environment_fingerprint, torch_runtime
+from reprotrain.hashing import canonical_json, sha256_file
+from reprotrain.pipeline.config import Params
+from reprotrain.pipeline.errors import DataError
+from reprotrain.provenance import code_hash, run_id, source_files, verify_dvc_checksum
+
+
+def load_environment(path: Path) -> dict[str, Any]:
+    """The environment record written by the ``env`` stage."""
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path}: environment record not found; run `dvc repro env`") from None
+    except (OSError, ValueError) as err:
+        raise DataError(
+            f"{path}: unreadable environment record ({err}); rerun `dvc repro env`"
+        ) from None
+    if not isinstance(record, dict) or "lock" not in record:
+        raise DataError(f"{path}: not a reprotrain environment record; rerun `dvc repro env`")
+    return record
+
+
+def run_inputs(
+    stage_module: str,
+    params: Params,
+    param_keys: tuple[str, ...],
+    data: Path,
+    environment: Mapping[str, Any],
+    dvc_lock: Path | None,
+    settings: DeterminismSettings,
+) -> dict[str, Any]:
+    """Everything that decides the stage's bits; refuses data DVC recorded differently."""
+    if not data.is_file():
+        raise DataError(f"{data}: prepared data not found; run `dvc repro prepare`")
+    md5, recorded = verify_dvc_checksum(data, dvc_lock) if dvc_lock else (None, None)
+    if dvc_lock and recorded is None:
+        print(f"reprotrain: warning: {dvc_lock} has no checksum for {data}", file=sys.stderr)
+    return {
+        "params": params.select(param_keys),
+        "data_md5": md5 if md5 is not None else sha256_file(data),
+        "lock_sha256": (environment.get("lock") or {}).get("sha256"),
+        "code_sha256": code_hash(source_files(stage_module), Path(reprotrain.__file__).parent),
+        "environment_sha256": environment_fingerprint(environment),
+        "determinism": settings.as_dict(),
+        "torch_runtime": torch_runtime(),
+    }
+
+
+def write_run_record(path: Path, inputs: Mapping[str, Any], outputs: Mapping[str, Path]) -> str:
+    """Write ``run.json`` atomically; return the run ID."""
+    identity = run_id(inputs)
+    record = {
+        "run_id": identity,
+        "inputs": dict(inputs),
+        "outputs": {name: sha256_file(file) for name, file in sorted(outputs.items())},
+    }
+    atomic_write_text(path, canonical_json(record))
+    return identity

@@ -1,0 +1,171 @@
+"""Bitwise resume for Lightning: random state in checkpoints, verified atomic checkpoint files.
+
+Lightning checkpoints carry the model, optimizer and loop state but no random
+state (Lightning issue 17543), so a resumed run draws different dropout masks
+and shuffles than an uninterrupted one. :class:`RandomStateCallback` adds to
+every checkpoint the python, numpy, torch CPU and every CUDA device's
+generator state, plus any ``torch.Generator`` you hand it (give it the one
+your training DataLoader shuffles with), and restores them on resume.
+
+The guarantee: resuming from a checkpoint taken at an **epoch boundary**
+gives the same bits as the uninterrupted run, provided the DataLoader
+workers are not persistent (``persistent_workers=False``: each epoch's
+workers are then seeded from the saved loader generator; persistent workers
+keep private random state that no checkpoint can capture) and nothing else
+keeps hidden random state across epochs. Mid-epoch checkpoints are not exact:
+Lightning restarts the interrupted epoch's data iteration, so the batches
+already seen are not replayed in the same order.
+
+:class:`VerifiedCheckpointIO` (``Trainer(plugins=[...])``) writes each
+checkpoint atomically and then a ``<name>.sha256`` sidecar; it loads a file
+only when the sidecar matches, and always with ``weights_only=True``, so a
+truncated, corrupted or tampered checkpoint is refused before any byte of it
+is unpickled. :func:`latest_checkpoint` finds the newest complete one.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from reprotrain.atomic import atomic_path, atomic_write_text
+from reprotrain.hashing import sha256_file
+
+RUN_ID_KEY = "reprotrain_run_id"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is corrupted, tampered with, or belongs to another run."""
+
+
+def sidecar(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".sha256")
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise :class:`CheckpointError` unless ``path`` matches its sha256 sidecar."""
+    path = Path(path)
+    try:
+        expected = sidecar(path).read_text().split()[0]
+    except (OSError, IndexError):
+        raise CheckpointError(
+            f"{path}: no checksum sidecar, so it may be incomplete; delete it to start over"
+        ) from None
+    actual = sha256_file(path)
+    if actual != expected:
+        raise CheckpointError(
+            f"{path}: sha256 {actual} does not match {expected} in {sidecar(path).name}: "
+            "corrupted or tampered with, not loaded; delete it to start over"
+        )
+
+
+class VerifiedCheckpointIO(TorchCheckpointIO):
+    """Atomic checkpoint writes with a sha256 sidecar; verified, ``weights_only`` loads."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        path = Path(path)
+        with atomic_path(path) as tmp:
+            torch.save(checkpoint, tmp)
+        atomic_write_text(sidecar(path), f"{sha256_file(path)}  {path.name}\n")
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        verify_checkpoint(path)
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        super().remove_checkpoint(path)
+        sidecar(path).unlink(missing_ok=True)
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest ``*.ckpt`` in ``directory`` with a sidecar, verified; None if there is none.
+
+    Files without a sidecar were interrupted while being written and are
+    skipped; a file whose sidecar does not match raises :class:`CheckpointError`.
+    """
+    directory = Path(directory)
+    complete = [p for p in directory.glob("*.ckpt") if sidecar(p).is_file()]
+    if not complete:
+        return None
+    newest = max(complete, key=_checkpoint_order)
+    verify_checkpoint(newest)
+    return newest
+
+
+def _checkpoint_order(path: Path) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", path.stem))
+
+
+def checkpoint_run_id(path: str | Path) -> str | None:
+    """The run ID a verified checkpoint was written for (``weights_only`` load)."""
+    verify_checkpoint(path)
+    return torch.load(path, map_location="cpu", weights_only=True).get(RUN_ID_KEY)
+
+
+class RandomStateCallback(L.Callback):
+    """Saves and restores every random generator with Lightning's checkpoints.
+
+    ``generators`` are extra ``torch.Generator`` objects by name (for example
+    the training DataLoader's). ``run_id`` is stored in each checkpoint so a
+    resume can refuse another run's file. ``restore=False`` saves but does not
+    restore: the negative control that shows the restore matters.
+    """
+
+    def __init__(
+        self,
+        generators: Mapping[str, torch.Generator] | None = None,
+        run_id: str | None = None,
+        restore: bool = True,
+    ) -> None:
+        self.generators = dict(generators or {})
+        self.run_id = run_id
+        self.restore = restore
+
+    def state_dict(self) -> dict[str, Any]:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        version, internal, gauss = random.getstate()
+        return {
+            "python": {"version": version, "state": list(internal), "gauss": gauss},
+            "numpy": {
+                "kind": kind,
+                "keys": torch.from_numpy(keys.astype(np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached": float(cached),
+            },
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "generators": {name: g.get_state() for name, g in self.generators.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.restore:
+            return
+        py = state["python"]
+        random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+        npy = state["numpy"]
+        keys = npy["keys"].numpy().astype(np.uint32)
+        np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached"]))
+        torch.set_rng_state(state["torch"])
+        if state["cuda"]:
+            torch.cuda.set_rng_state_all(state["cuda"])
+        for name, generator in self.generators.items():
+            generator.set_state(state["generators"][name])
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint[RUN_ID_KEY] = self.run_id

@@ -1,0 +1,377 @@
+"""Per-step fingerprints of a Lightning run, to find where two runs part ways.
+
+``TraceCallback`` writes one row per training batch: int64 fingerprints of
+the batch (every tensor in it) and of the RNG states at the step's start
+(python, numpy, torch CPU, each initialised CUDA device), the loss's exact
+bits (as float64), and the global step, epoch and batch index. Every
+``weights_every``-th row also fingerprints the gradients (before the
+optimizer step) and the trainable parameters (after it). ``detail="full"``
+traces weights on every row, with a fingerprint per parameter tensor and per
+RNG source, so compare can name the first one that differs. By default only
+every 32nd row traces weights, because a fingerprint reads every byte: on 2
+CPU cores a 10M-parameter MLP's gradients and weights take 10-20 ms, a fifth
+of its step or more (``benchmarks/trace_overhead.py``). A divergence between
+weight rows still shows at once in the next step's loss.
+
+A tensor's fingerprint is ``sum(byte[j] * c[j]) mod 2**32`` over its raw
+bytes, ``c[j]`` a fixed odd hash of the position, in integer arithmetic on
+the tensor's own device (int8 matmul on CPU; elsewhere float32, exact because
+every partial sum is an integer below 2**24), so reduction order, thread
+count and device do not change it. Guarantee: the same bits give the same
+fingerprint and the same run the same file, byte for byte; a change within
+one byte always changes it; other changes collide with probability about
+2**-32 (2**-24 for the worst patterns, such as two flipped sign bits).
+Fingerprints stay on the device until every ``flush_every`` rows.
+
+Limits: only trainable parameters (as of ``on_train_start``); no buffers
+(BatchNorm statistics), optimizer state, non-tensor batch items or
+non-global generators (a DataLoader's own generator shows in the batch).
+Sharded strategies trace each rank's shard; rank 0 writes. CPU fingerprints
+run on one thread, briefly switching torch's global thread count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import struct
+from array import array
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.optim import Optimizer
+
+from reprotrain.atomic import atomic_path
+from reprotrain.hashing import load_safetensors, safetensors_metadata
+
+Detail = Literal["default", "full"]
+#: Per-row records, in the order a step computes them (and compare checks them).
+RECORDS = ("batch", "rng", "loss", "grads", "params")
+#: ``weights_every`` for ``detail="default"``: keeps a 10M MLP's CPU step within 3%.
+DEFAULT_WEIGHTS_EVERY = 32
+FORMAT, VERSION = "reprotrain.trace", 1
+_HOST_COLUMNS = ("step", "epoch", "batch_idx", "weights_traced", "rng")
+_LOW32 = 0xFFFFFFFF
+_BLOCK, _LANES = 1024, 8  # bytes per matmul row; weight columns
+_SMALL_BYTES = 64 * _BLOCK  # tensors up to this size share one batched computation
+_tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+_groups: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (Wellons' hash prospector) of non-negative int64 values, in [0, 2**32)."""
+    x = (x ^ (x >> 16)) & _LOW32
+    x = (x * 0x7FEB352D) & _LOW32
+    x = (x ^ (x >> 15)) & _LOW32
+    x = (x * 0x846CA68B) & _LOW32
+    return x ^ (x >> 16)
+
+
+def _signed32(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
+
+
+def _weights(device: torch.device, rows: int) -> tuple[torch.Tensor, ...]:
+    """W (int8, K x 8), R (int32, >= rows x 8) and C (int32, the first _SMALL_BYTES c[j]).
+
+    ``c[m*K + k] = sum_n W[k, n] * R[m, n] mod 2**32``; column 0 of W and R is odd
+    and R's other columns even, so every c[j] is odd. |W| <= 63 keeps int8
+    kernels that add product pairs in int16 exact.
+    """
+    cached = _tables.get(device)
+    if cached is None or cached[1].shape[0] < rows:
+        size = max(rows, 2 * (0 if cached is None else cached[1].shape[0]), 256)
+        lanes = torch.arange(_LANES, device=device)
+        w = _mix32(torch.arange(_BLOCK * _LANES, device=device)).view(_BLOCK, _LANES) % 127 - 63
+        w[:, 0] |= 1
+        r = _mix32(torch.arange(size, device=device)[:, None] * _LANES + lanes + (1 << 40))
+        r = torch.where(lanes == 0, r | 1, r & ~1)
+        c = (w * r[: _SMALL_BYTES // _BLOCK, None]).sum(-1).reshape(-1) & _LOW32
+        cached = _tables[device] = (w.to(torch.int8), _signed32(r), _signed32(c))
+    return cached
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits as a flat int8 tensor (a view when it is contiguous)."""
+    flat = tensor.detach().reshape(-1)
+    return (flat.view(torch.uint8) if flat.dtype == torch.bool else flat).view(torch.int8)
+
+
+def _large(data: torch.Tensor) -> torch.Tensor:
+    """Unreduced fingerprint (0-d int64, right mod 2**32) of one byte tensor."""
+    rows, tail = divmod(data.numel(), _BLOCK)
+    w, r, _ = _weights(data.device, rows + 1)
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    if rows:
+        body = data[: rows * _BLOCK].view(rows, _BLOCK)
+        if data.device.type == "cpu":
+            sums = torch._int_mm(body, w)  # exact int32: |sum| <= 1024 * 128 * 63
+        else:  # partial sums are integers below 2**24: exact in float32, even TF32
+            sums = (body.to(torch.float32) @ w.to(torch.float32)).to(torch.int32)
+        total = (sums * r[:rows]).sum(dtype=torch.int64)  # int32 products wrap mod 2**32
+    if tail:
+        total = total + (data[-tail:, None].to(torch.int64) * w[:tail] * r[rows]).sum()
+    return total
+
+
+def _small(data: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Unreduced fingerprints of several small byte tensors, in a handful of kernels."""
+    sizes = tuple(d.numel() for d in data)
+    cached = _groups.get((device, sizes))
+    if cached is None:
+        c = _weights(device, 1)[2]
+        bounds = torch.tensor([0, *itertools.accumulate(sizes)], device=device)
+        if len(_groups) > 256:  # batches of ever-new shapes must not grow this forever
+            _groups.clear()
+        cached = _groups[device, sizes] = (torch.cat([c[:n] for n in sizes]), bounds)
+    coefficients, bounds = cached
+    products = torch.cat(data).to(torch.int32) * coefficients
+    # Exact int64 running sums (bounds[0] is the leading 0); differences split the segments.
+    running = torch.cat([bounds[:1], products.cumsum(0, dtype=torch.int64)])
+    return running[bounds].diff()
+
+
+def fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """int64 tensor on ``device``: one fingerprint in ``[0, 2**32)`` per tensor."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    # One CPU thread reads as fast as memory allows and never waits at a barrier for a
+    # core busy elsewhere: two threads were 12x slower on a loaded 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = [tensor_bytes(t) for t in tensors]
+        small = [i for i, d in enumerate(data) if d.numel() <= _SMALL_BYTES and d.device == device]
+        parts: dict[int, torch.Tensor] = {}
+        if small:
+            parts = dict(zip(small, _small([data[i] for i in small], device).unbind(), strict=True))
+        ordered = [parts[i] if i in parts else _large(d).to(device) for i, d in enumerate(data)]
+        return torch.stack(ordered) & _LOW32
+    finally:
+        torch.set_num_threads(threads)
+
+
+def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """0-d int64 fingerprint in ``[0, 2**32)`` of the tensor's bits, on its own device."""
+    return fingerprints([tensor], tensor.device)[0]
+
+
+def _key(*parts: object) -> int:
+    return _hash_bytes("\0".join(map(str, parts)).encode())
+
+
+def _hash_bytes(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def _mixer(keys: Sequence[int], device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Combines per-tensor fingerprints with their keys (name, dtype, shape) into one int64."""
+    # Odd multipliers below 2**31 keep each product inside int64 before the sum wraps.
+    mult = torch.tensor([(k & 0x7FFFFFFF) | 1 for k in keys], dtype=torch.int64, device=device)
+    offset = sum(k >> 32 for k in keys)
+    return lambda fps: (fps * mult).sum() + offset
+
+
+def _leaves(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor in nested tuples, lists and mappings, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, Mapping):
+        for key in sorted(obj, key=str):
+            yield from _leaves(obj[key], f"{path}.{key}")
+    elif isinstance(obj, (list, tuple)):
+        for index, item in enumerate(obj):
+            yield from _leaves(item, f"{path}.{index}")
+
+
+def rng_states() -> dict[str, bytes]:
+    """The raw state of each global RNG; CUDA only where already initialised."""
+    version, words, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    out = {
+        "python": array("Q", words).tobytes() + repr((version, gauss)).encode(),
+        "numpy": keys.tobytes() + struct.pack("<qqd", pos, has_gauss, cached),
+        "torch": torch.get_rng_state().numpy().tobytes(),
+    }
+    # Asking an uninitialised CUDA for its state would start a context on every GPU.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index, generator in enumerate(torch.cuda.default_generators):
+            out[f"cuda:{index}"] = generator.get_state().numpy().tobytes()
+    return out
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One row per training batch, read-only numpy arrays; ``records[name]`` is int64 per row.
+
+    ``grads`` and ``params`` (and the per-tensor columns) are 0 where ``weights_traced`` is False.
+    """
+
+    detail: Detail
+    weights_every: int
+    step: np.ndarray
+    epoch: np.ndarray
+    batch_idx: np.ndarray
+    loss_value: np.ndarray
+    weights_traced: np.ndarray
+    records: dict[str, np.ndarray]
+    initial_params: int
+    param_names: tuple[str, ...]
+    rng_sources: tuple[str, ...]
+    grads_per_param: np.ndarray | None = None
+    params_per_param: np.ndarray | None = None
+    rng_per_source: np.ndarray | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step)
+
+
+class TraceCallback(Callback):
+    """Record per-step fingerprints during ``fit`` and write them to ``path`` at its end.
+
+    ``weights_every``: trace gradients and parameters on every n-th row
+    (default 1 with ``detail="full"``, else ``DEFAULT_WEIGHTS_EVERY``).
+    ``flush_every``: rows kept on the device before one copy to the host.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        detail: Detail = "default",
+        flush_every: int = 64,
+        weights_every: int | None = None,
+    ) -> None:
+        if detail not in ("default", "full"):
+            raise ValueError(f"detail must be 'default' or 'full', got {detail!r}")
+        self.weights_every = weights_every or (1 if detail == "full" else DEFAULT_WEIGHTS_EVERY)
+        if flush_every < 1 or self.weights_every < 1:
+            raise ValueError("flush_every and weights_every must be >= 1")
+        self.path, self.detail, self.flush_every = Path(path), detail, flush_every
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+        self._names, self._params = tuple(n for n, _ in named), [p for _, p in named]
+        self._device = pl_module.device
+        self._mix = _mixer([_key(n, p.dtype, tuple(p.shape)) for n, p in named], self._device)
+        self._batch_mixers: dict[tuple[object, ...], Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._rng_sources = tuple(rng_states())
+        width = 2 + (2 * len(named) if self.detail == "full" else 0)
+        self._untraced = torch.zeros(width, dtype=torch.int64, device=self._device)
+        self._pending: list[torch.Tensor] = []
+        self._flushed: list[np.ndarray] = []
+        self._host: list[list[int]] = []  # step, epoch, batch_idx, traced, rng, rng sources
+        self._grads: torch.Tensor | None = None
+        initial = fingerprints(self._params, self._device)
+        self._initial = int(self._mix(initial))
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._traced = len(self._host) % self.weights_every == 0
+        self._grads = None
+        leaves = list(_leaves(batch))
+        signature = tuple((p, t.dtype, tuple(t.shape)) for p, t in leaves)
+        if (mix := self._batch_mixers.get(signature)) is None:
+            mix = self._batch_mixers[signature] = _mixer(
+                [_key(*s) for s in signature], self._device
+            )
+        self._batch_fp = mix(fingerprints([t for _, t in leaves], self._device))
+        states = rng_states()
+        combined = _hash_bytes(b"".join(n.encode() + b"\0" + s for n, s in states.items()))
+        sources = []
+        if self.detail == "full":
+            sources = [_hash_bytes(states[s]) if s in states else 0 for s in self._rng_sources]
+        position = [trainer.global_step, trainer.current_epoch, batch_idx, int(self._traced)]
+        self._host.append([*position, combined, *sources])
+
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer
+    ) -> None:
+        if self._traced:
+            zero = torch.zeros((), dtype=torch.int64, device=self._device)
+            fps = fingerprints(
+                [zero if p.grad is None else p.grad for p in self._params], self._device
+            )
+            # Several optimizer steps in one batch (manual optimization): chain them.
+            self._grads = fps if self._grads is None else self._grads * 3 + fps
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if not isinstance(loss, torch.Tensor):  # manual optimization that returns nothing
+            loss = torch.tensor(float("nan"))
+        # float64 holds every float loss exactly: its bits are the loss bits, and the value.
+        loss = loss.detach().reshape(()).to(self._device, torch.float64).view(torch.int64)
+        weights = self._untraced
+        if self._traced:
+            params = fingerprints(self._params, self._device)
+            grads = torch.zeros_like(params) if self._grads is None else self._grads
+            weights = torch.stack([self._mix(grads), self._mix(params)])
+            if self.detail == "full":
+                weights = torch.cat([weights, grads, params])
+        self._pending.append(torch.cat([torch.stack([self._batch_fp, loss]), weights]))
+        if len(self._pending) >= self.flush_every:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._flushed.append(torch.stack(self._pending).cpu().numpy())
+            self._pending = []
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush()
+        if trainer.is_global_zero:
+            self.write(self.path)
+
+    def write(self, path: str | Path) -> None:
+        """Write the rows recorded so far as a trace file: deterministic bytes, atomic."""
+        from safetensors.torch import save_file
+
+        self._flush()
+        n = len(self._names)
+        empty = np.zeros((0, 4 + (2 * n if self.detail == "full" else 0)), np.int64)
+        rows = torch.from_numpy(np.concatenate([empty, *self._flushed]))
+        width = len(_HOST_COLUMNS) + (len(self._rng_sources) if self.detail == "full" else 0)
+        host = torch.tensor(self._host, dtype=torch.int64).reshape(-1, width)
+        tensors = {name: host[:, i] for i, name in enumerate(_HOST_COLUMNS)}
+        tensors |= {name: rows[:, i] for i, name in enumerate(("batch", "loss", "grads", "params"))}
+        tensors["weights_traced"] = tensors["weights_traced"].bool()
+        tensors["loss_value"] = rows[:, 1].contiguous().view(torch.float64)
+        tensors["initial_params"] = torch.tensor([self._initial], dtype=torch.int64)
+        if self.detail == "full":
+            tensors["grads_per_param"], tensors["params_per_param"] = rows[:, 4:].split(n, dim=1)
+            tensors["rng_per_source"] = host[:, len(_HOST_COLUMNS) :]
+        names = {"param_names": list(self._names), "rng_sources": list(self._rng_sources)}
+        metadata = safetensors_metadata(
+            {"format": FORMAT, "version": VERSION, "detail": self.detail, **names,
+             "weights_every": self.weights_every, "records": list(RECORDS)}
+        )  # fmt: skip
+        with atomic_path(path) as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a file written by :class:`TraceCallback`; ``ValueError`` if it is not one."""
+    tensors, meta = load_safetensors(path)
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{path}: not a reprotrain trace (version {VERSION}) file")
+    arrays = {name: tensor.numpy() for name, tensor in tensors.items()}
+    for values in arrays.values():
+        values.flags.writeable = False
+    return Trace(
+        detail=meta["detail"],
+        weights_every=int(meta["weights_every"]),
+        records={name: arrays.pop(name) for name in RECORDS},
+        initial_params=int(arrays.pop("initial_params")[0]),
+        param_names=tuple(meta["param_names"]),
+        rng_sources=tuple(meta["rng_sources"]),
+        **arrays,
+    )

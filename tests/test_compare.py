@@ -1,0 +1,244 @@
+"""compare: traces name the first diverging step and its cause; weights; environments; plots.
+
+Each trace scenario fits the tiny model twice with the same seed and settings;
+the only difference between the two runs is the one under test (an unseeded
+noise source from a given step, or a data order change), so the expected
+answer is exact: that step, that record.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from reprotrain.compare import (
+    DIAGNOSES,
+    ComparisonReport,
+    classify_env_key,
+    compare_environments,
+    compare_traces,
+    compare_weights,
+    plot_losses,
+)
+from reprotrain.trace import Trace, load_trace
+from tests.test_trace import (
+    BATCH_SIZE,
+    STEPS_PER_EPOCH,
+    NoisyFromStep,
+    NoisyGradFromStep,
+    PrefixThenShuffle,
+    TinyNet,
+    fit_traced,
+    unseeded_generator,
+)
+
+NOISE_FROM = 3
+
+
+class NoisyGradOnOneParameter(TinyNet):
+    """From step NOISE_FROM on, unseeded noise lands on the gradient of ``net.4.weight`` only."""
+
+    def on_after_backward(self) -> None:
+        if self.global_step >= NOISE_FROM:
+            grad = self.net[4].weight.grad
+            grad += 1e-3 * torch.randn(grad.shape, generator=unseeded_generator())
+
+
+class NoisySGD(torch.optim.SGD):
+    """SGD whose update gets unseeded noise from step NOISE_FROM on."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        loss = super().step(closure)
+        self.steps = getattr(self, "steps", 0) + 1
+        if self.steps > NOISE_FROM:
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p += 1e-4 * torch.randn(p.shape, generator=unseeded_generator())
+        return loss
+
+
+def _pair(tmp_path: Path, **options: object) -> tuple[Trace, Trace]:
+    a = fit_traced(tmp_path / "a.safetensors", **options)  # type: ignore[arg-type]
+    b = fit_traced(tmp_path / "b.safetensors", **options)  # type: ignore[arg-type]
+    return load_trace(a), load_trace(b)
+
+
+# -- compare_traces on real runs -------------------------------------------------------
+
+
+def test_forward_noise_from_step_k_is_a_kernel_at_step_k(tmp_path: Path) -> None:
+    model = lambda: TinyNet(NoisyFromStep(NOISE_FROM))  # noqa: E731
+    a, b = _pair(tmp_path, make_model=model, weights_every=1)
+    diff = compare_traces(a, b)
+    assert not diff.identical
+    assert (diff.first_step, diff.record) == (NOISE_FROM, "loss")
+    assert diff.diagnosis == DIAGNOSES["loss"]  # weights traced every step: no caveat
+    assert diff.diagnosis.startswith("non-deterministic kernel in the forward pass")
+    assert "params" in diff.records_differing and "batch" not in diff.records_differing
+
+
+def test_backward_noise_from_step_k_is_a_kernel_in_the_gradients(tmp_path: Path) -> None:
+    model = lambda: TinyNet(NoisyGradFromStep(NOISE_FROM))  # noqa: E731
+    a, b = _pair(tmp_path, make_model=model, weights_every=1)
+    diff = compare_traces(a, b)
+    assert (diff.first_step, diff.record) == (NOISE_FROM, "grads")
+    assert diff.diagnosis.startswith("non-deterministic kernel in the backward pass")
+    # Negative control: the loss at step k is still the same bits; it differs from k+1.
+    assert np.array_equal(a.loss_value[: NOISE_FROM + 1], b.loss_value[: NOISE_FROM + 1])
+    assert a.loss_value[NOISE_FROM + 1] != b.loss_value[NOISE_FROM + 1]
+
+
+def test_default_detail_finds_backward_noise_at_the_next_loss_and_says_so(
+    tmp_path: Path,
+) -> None:
+    # Weights traced on row 0 only (8 steps, every 8th row): the noise at step k shows
+    # in the loss of step k+1, and compare names the untraced steps it may come from.
+    a, b = _pair(tmp_path, make_model=lambda: TinyNet(NoisyGradFromStep(NOISE_FROM)))
+    assert a.weights_traced.tolist() == [True] + [False] * (STEPS_PER_EPOCH - 1)
+    diff = compare_traces(a, b)
+    assert (diff.first_step, diff.record) == (NOISE_FROM + 1, "loss")
+    assert "between step 1 and this step" in diff.diagnosis
+    assert "weights_every=1" in diff.diagnosis
+
+
+def test_full_detail_names_the_first_diverging_parameter(tmp_path: Path) -> None:
+    a, b = _pair(tmp_path, make_model=NoisyGradOnOneParameter, detail="full")
+    diff = compare_traces(a, b)
+    assert (diff.first_step, diff.record, diff.tensor) == (NOISE_FROM, "grads", "net.4.weight")
+
+
+def test_noise_in_the_update_is_blamed_on_the_optimizer(tmp_path: Path) -> None:
+    a, b = _pair(tmp_path, make_model=lambda: TinyNet(optimizer=NoisySGD), weights_every=1)
+    diff = compare_traces(a, b)
+    assert (diff.first_step, diff.record) == (NOISE_FROM, "params")
+    assert diff.diagnosis.startswith("optimizer")
+
+
+def test_a_changed_shuffle_is_blamed_on_the_data_pipeline(tmp_path: Path) -> None:
+    n = STEPS_PER_EPOCH * BATCH_SIZE
+    prefix = NOISE_FROM * BATCH_SIZE  # batches before NOISE_FROM are in the same order
+    a = fit_traced(tmp_path / "a.safetensors", sampler=PrefixThenShuffle(n, prefix, seed=1))
+    b = fit_traced(tmp_path / "b.safetensors", sampler=PrefixThenShuffle(n, prefix, seed=2))
+    diff = compare_traces(load_trace(a), load_trace(b))
+    assert (diff.first_step, diff.record) == (NOISE_FROM, "batch")
+    assert diff.diagnosis.startswith("data pipeline")
+
+
+def test_different_seeds_diverge_at_step_zero(tmp_path: Path) -> None:
+    a = fit_traced(tmp_path / "a.safetensors", seed=1)
+    b = fit_traced(tmp_path / "b.safetensors", seed=2)
+    assert a.read_bytes() != b.read_bytes()
+    diff = compare_traces(load_trace(a), load_trace(b))
+    assert diff.first_step == 0 and diff.record == "batch"
+    assert not diff.initial_params_equal
+
+
+# -- compare_traces rules, on synthetic traces -----------------------------------------
+
+
+def _synthetic(steps: int = 6) -> Trace:
+    rows = np.arange(steps, dtype=np.int64)
+    records = {name: rows * 10 + i for i, name in enumerate(("batch", "rng", "loss", "grads"))}
+    records["params"] = rows * 10 + 4
+    return Trace(
+        detail="default",
+        weights_every=1,
+        step=rows,
+        epoch=np.zeros(steps, np.int64),
+        batch_idx=rows,
+        loss_value=np.linspace(1.0, 0.5, steps),
+        weights_traced=np.ones(steps, bool),
+        records=records,
+        initial_params=7,
+        param_names=("w",),
+        rng_sources=("python", "numpy", "torch"),
+    )
+
+
+def _changed(trace: Trace, record: str, row: int) -> Trace:
+    values = trace.records[record].copy()
+    values[row:] += 1
+    return replace(trace, records={**trace.records, record: values})
+
+
+def test_rng_first_means_random_consumption_changed() -> None:
+    a = _synthetic()
+    diff = compare_traces(a, _changed(_changed(a, "rng", 2), "loss", 2))
+    assert (diff.first_step, diff.record) == (2, "rng")
+    assert diff.diagnosis.startswith("random consumption changed")
+
+
+def test_a_gradient_change_after_different_parameters_is_not_a_kernel() -> None:
+    a = _synthetic()
+    diff = compare_traces(a, replace(_changed(a, "grads", 0), initial_params=8))
+    assert diff.record == "grads" and "kernel" not in diff.diagnosis
+
+
+def test_different_step_counts_are_reported() -> None:
+    a = _synthetic(6)
+    short = _synthetic(4)
+    diff = compare_traces(a, short)
+    assert not diff.identical
+    assert (diff.first_step, diff.record, diff.steps_a, diff.steps_b) == (4, "length", 6, 4)
+    assert compare_traces(a, _synthetic(6)).identical
+
+
+# -- weights, environments, report, plot -----------------------------------------------
+
+
+def test_compare_weights_finds_equal_perturbed_missing_and_reshaped_tensors() -> None:
+    a = {"w": torch.ones(3, 2), "b": torch.zeros(2), "gone": torch.ones(1), "r": torch.ones(4)}
+    b = {"w": a["w"].clone(), "b": a["b"].clone(), "new": torch.ones(1), "r": torch.ones(2, 2)}
+    b["b"][1] = 0.5
+    diffs = {d.name: d for d in compare_weights(a, b)}
+    assert diffs["w"].equal and diffs["w"].max_abs_diff == 0 and diffs["w"].rel_l2 == 0
+    assert diffs["b"].status == "different" and diffs["b"].max_abs_diff == 0.5
+    assert diffs["b"].rel_l2 == float("inf")  # ||a|| is 0
+    assert (diffs["gone"].status, diffs["new"].status, diffs["r"].status) == (
+        "missing",
+        "extra",
+        "shape",
+    )
+    nudged = {"w": torch.nextafter(a["w"], torch.tensor(2.0))}
+    one_ulp = compare_weights({"w": a["w"]}, nudged)[0]
+    assert one_ulp.status == "different" and 0 < one_ulp.rel_l2 < 1e-6
+
+
+def test_environment_gpu_and_torch_changes_void_the_guarantee_but_a_commit_does_not() -> None:
+    a = {"git": {"commit": "abc"}, "gpu": [{"name": "H100"}], "torch": {"version": "2.13.0"}}
+    b = {"git": {"commit": "def"}, "gpu": [{"name": "A100"}], "torch": {"version": "2.12.0"}}
+    diffs = {d.key: d for d in compare_environments(a, b)}
+    assert set(diffs) == {"git.commit", "gpu.0.name", "torch.version"}
+    assert diffs["gpu.0.name"].voids and diffs["torch.version"].voids
+    assert not diffs["git.commit"].voids
+    assert compare_environments(a, a) == []
+    assert classify_env_key("python_version")[0] == "may matter"
+    assert classify_env_key("cudnn_version")[0] == "voids"
+    assert classify_env_key("data.digits_path")[0] == "no"  # "git" inside a word is not git
+
+
+def test_report_renders_text_and_json(tmp_path: Path) -> None:
+    a = _synthetic()
+    report = ComparisonReport(
+        trace=compare_traces(a, _changed(a, "batch", 3)),
+        weights=compare_weights({"w": torch.ones(2)}, {"w": torch.zeros(2)}),
+        environment=compare_environments({"torch": "2.13"}, {"torch": "2.12"}),
+    )
+    text = report.to_text()
+    assert "diverge at step 3" in text and "data pipeline" in text and "VOID" in text
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["trace"]["record"] == "batch" and data["guarantee_applies"] is False
+    assert data["weights_equal"] is False
+
+
+def test_plot_losses_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plots" / "loss.png"
+    plot_losses(_synthetic(6), _synthetic(4), out)
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

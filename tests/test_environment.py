@@ -1,0 +1,121 @@
+"""The environment record: byte-stable, blind to hosts and times, and sensitive to what matters."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from reprotrain.environment import (
+    capture_environment,
+    environment_fingerprint,
+    git_state,
+    lock_status,
+)
+from reprotrain.hashing import canonical_json
+from tests.helpers import ROOT, cli_env, commit_all, run_checked, run_cli
+
+LOCK = ROOT / "requirements-cpu.lock"
+
+
+def test_capture_is_byte_stable_and_holds_no_host_pid_or_path() -> None:
+    first = canonical_json(capture_environment(LOCK, ignore_packages=["reprotrain"]))
+    second = canonical_json(capture_environment(LOCK, ignore_packages=["reprotrain"]))
+    assert first == second
+    for secret in (socket.gethostname(), str(os.getpid()), str(ROOT)):
+        assert secret not in first
+
+
+def test_record_names_what_decides_the_bits() -> None:
+    record = capture_environment(LOCK)
+    assert record["torch"]["version"].startswith("2.13.0")
+    assert record["cpu"]["model"] and "avx2" in record["cpu"]["dispatch_flags"]
+    assert record["os"]["libc"].startswith("glibc")
+    assert record["container"] == {"base_image": "none", "image_id": "none"}
+    assert "CUBLAS_WORKSPACE_CONFIG" in record["variables"]
+
+
+def test_venv_matches_its_lock_exactly() -> None:
+    status = lock_status(LOCK, ignore_packages=["reprotrain"])
+    assert status["exact"], status["drift"]
+
+
+def test_a_drifted_pin_is_listed(tmp_path: Path) -> None:
+    lock = tmp_path / "requirements.lock"
+    lock.write_text(LOCK.read_text().replace("\nnumpy==", "\nnumpy==0.0.1-was-"))
+    status = lock_status(lock, ignore_packages=["reprotrain"])
+    assert not status["exact"]
+    assert [d["package"] for d in status["drift"]] == ["numpy"]
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("torch", "version"), "2.13.1"),
+        (("gpu",), [{"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"}]),
+        (("lock", "sha256"), "0" * 64),
+        (("variables", "OMP_NUM_THREADS"), "1"),
+    ],
+)
+def test_any_recorded_change_changes_the_fingerprint(path: tuple[str, ...], value: object) -> None:
+    record = capture_environment(LOCK)
+    changed = copy.deepcopy(record)
+    node = changed
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    assert environment_fingerprint(changed) != environment_fingerprint(record)
+    assert environment_fingerprint(copy.deepcopy(record)) == environment_fingerprint(record)
+
+
+def test_git_state_sees_dirt_but_not_excluded_outputs(tmp_path: Path) -> None:
+    run_checked("git", "init", "-q", cwd=tmp_path)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "m.json").write_text("{}\n")
+    commit_all(tmp_path, "init")
+    assert git_state(tmp_path)["dirty"] is False
+    (tmp_path / "reports" / "m.json").write_text('{"a": 1}\n')
+    assert git_state(tmp_path, exclude=["reports"])["dirty"] is False
+    assert git_state(tmp_path)["dirty"] is True
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_state(tmp_path, exclude=["reports"])["dirty"] is True
+
+
+def test_git_state_outside_a_repository(tmp_path: Path) -> None:
+    assert git_state(tmp_path) == {"commit": None, "dirty": None}
+
+
+def test_env_command_explains_which_differences_void_the_guarantee(tmp_path: Path) -> None:
+    record = capture_environment(LOCK)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(record))
+    changed = copy.deepcopy(record)
+    changed["gpu"] = [{"name": "NVIDIA H200"}]
+    changed["container"]["image_id"] = "sha256:" + "1" * 64
+    b.write_text(json.dumps(changed))
+    result = run_cli("env", "--diff", a, b, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "differences void the bitwise guarantee" in lines[0]
+    assert any(line.strip().startswith("gpu") and "[voids" in line for line in lines)
+    assert any("container.image_id" in line and "[voids" not in line for line in lines)
+    same = run_cli("env", "--diff", a, a, cwd=tmp_path)
+    assert "identical environments" in same.stdout
+
+
+def test_env_stage_is_fast_because_it_never_imports_torch() -> None:
+    code = (
+        "import sys; from reprotrain.pipeline.env import record_environment; "
+        f"record_environment(__import__('pathlib').Path({str(LOCK)!r})); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [os.sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False"

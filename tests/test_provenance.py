@@ -1,0 +1,186 @@
+"""Run IDs, DVC checksums and the checklist, unit-level and through a real `dvc repro`."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from reprotrain.determinism import configure_determinism
+from reprotrain.environment import capture_environment
+from reprotrain.pipeline import train
+from reprotrain.pipeline.config import load_params
+from reprotrain.pipeline.run_record import run_inputs
+from reprotrain.provenance import (
+    ChecksumError,
+    code_hash,
+    md5_file,
+    run_id,
+    source_files,
+    verify_dvc_checksum,
+)
+from tests.helpers import ROOT, commit_all, run_checked, run_cli, stage_argv
+
+pytestmark = pytest.mark.usefixtures("restore_torch_flags")
+
+
+@pytest.fixture
+def inputs_for(prepared: Path):
+    environment = capture_environment(ROOT / "requirements-cpu.lock")
+
+    def make(overrides=(), data=prepared, env=environment):
+        params = load_params(ROOT / "params.yaml", overrides)
+        settings = configure_determinism(params.seed, params.deterministic)
+        return run_inputs(train.__name__, params, train.PARAMS, data, env, None, settings)
+
+    return make
+
+
+def test_same_inputs_give_the_same_run_id(inputs_for) -> None:
+    assert run_id(inputs_for()) == run_id(inputs_for())
+
+
+def test_one_param_changes_the_run_id(inputs_for) -> None:
+    assert run_id(inputs_for(["train.lr=0.004"])) != run_id(inputs_for())
+
+
+def test_a_param_train_does_not_read_keeps_the_run_id(inputs_for) -> None:
+    assert run_id(inputs_for(["data.test_fraction=0.2"])) == run_id(inputs_for())
+
+
+def test_one_data_byte_changes_the_run_id(inputs_for, prepared: Path, tmp_path: Path) -> None:
+    flipped = tmp_path / "data.safetensors"
+    blob = bytearray(prepared.read_bytes())
+    blob[-1] ^= 1
+    flipped.write_bytes(bytes(blob))
+    assert run_id(inputs_for(data=flipped)) != run_id(inputs_for())
+
+
+def test_one_package_version_changes_the_run_id(inputs_for) -> None:
+    env = capture_environment(ROOT / "requirements-cpu.lock")
+    changed = copy.deepcopy(env)
+    changed["torch"]["version"] = "2.13.1"
+    assert run_id(inputs_for(env=changed)) != run_id(inputs_for(env=env))
+
+
+def test_one_line_of_code_changes_the_code_hash(tmp_path: Path) -> None:
+    files = [tmp_path / "a.py", tmp_path / "b.py"]
+    for f in files:
+        f.write_text("x = 1\n")
+    before = code_hash(files, tmp_path)
+    files[1].write_text("x = 1\ny = 2\n")
+    assert code_hash(files, tmp_path) != before
+
+
+def test_stage_source_files_are_its_import_closure() -> None:
+    names = {f.name for f in source_files("reprotrain.pipeline.train")}
+    assert {"train.py", "model.py", "determinism.py", "run_record.py"} <= names
+    assert "cli.py" not in names and "evaluate.py" not in names
+
+
+def test_checksum_mismatch_names_both_checksums(tmp_path: Path) -> None:
+    data = tmp_path / "d.bin"
+    data.write_bytes(b"abc")
+    (tmp_path / "d.bin.dvc").write_text(f"outs:\n- md5: {md5_file(data)}\n  path: d.bin\n")
+    assert verify_dvc_checksum(data, tmp_path / "dvc.lock")[1] == md5_file(data)
+    recorded = md5_file(data)
+    data.write_bytes(b"abd")
+    with pytest.raises(ChecksumError, match=f"md5 {md5_file(data)} does not match {recorded}"):
+        verify_dvc_checksum(data, tmp_path / "dvc.lock")
+
+
+# --- through DVC ---------------------------------------------------------------------------
+
+
+def test_fingerprint_prints_the_run_id_of_the_last_run(dvc_repo: Path) -> None:
+    recorded = json.loads((dvc_repo / "reports/run.json").read_text())
+    printed = run_checked("reprotrain", "fingerprint", cwd=dvc_repo).strip().splitlines()[-1]
+    assert printed == recorded["run_id"]
+    other = run_checked("reprotrain", "fingerprint", "--seed", "1", cwd=dvc_repo).strip()
+    assert other.splitlines()[-1] != printed
+
+
+def test_dvc_md5_is_our_md5(dvc_repo: Path) -> None:
+    path = dvc_repo / "data/prepared/dataset.safetensors"
+    assert verify_dvc_checksum(path, dvc_repo / "dvc.lock") == (md5_file(path), md5_file(path))
+
+
+def test_environment_change_retrains_and_no_change_does_not(repo_copy: Path) -> None:
+    unchanged = run_checked("dvc", "repro", cwd=repo_copy)
+    assert "Stage 'train' didn't change, skipping" in unchanged
+    changed = run_checked("dvc", "repro", cwd=repo_copy, OMP_NUM_THREADS="1")
+    assert "Running stage 'train'" in changed or "Stage 'train' is cached" not in changed
+    assert "Running stage 'train'" in changed
+
+
+def test_flipped_data_byte_is_refused_and_nothing_written(repo_copy: Path) -> None:
+    data = repo_copy / "data/prepared/dataset.safetensors"
+    recorded = md5_file(data)
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    outputs = ["models/model.safetensors", "reports/run.json", "reports/train_metrics.json"]
+    before = {name: (repo_copy / name).read_bytes() for name in outputs}
+    result = run_cli(*stage_argv(repo_copy, "train"), cwd=repo_copy)
+    assert result.returncode == 2
+    message = result.stderr.strip()
+    assert "data/prepared/dataset.safetensors" in message
+    assert md5_file(data) in message and recorded in message
+    assert {name: (repo_copy / name).read_bytes() for name in outputs} == before
+
+
+def test_remote_round_trip_restores_bits_without_retraining(
+    repo_copy: Path, tmp_path: Path
+) -> None:
+    remote = tmp_path / "remote"
+    run_checked("dvc", "remote", "add", "-d", "store", remote, cwd=repo_copy)
+    run_checked("dvc", "push", cwd=repo_copy)
+    commit_all(repo_copy, "remote")
+    clone = tmp_path / "clone"
+    run_checked("git", "clone", "-q", repo_copy, clone, cwd=tmp_path)
+    run_checked("dvc", "pull", cwd=clone)
+    for name in ("models/model.safetensors", "data/prepared/dataset.safetensors"):
+        assert (clone / name).read_bytes() == (repo_copy / name).read_bytes()
+    status = run_checked("dvc", "status", cwd=clone)
+    assert [line for line in status.splitlines() if line.strip()] == ["env:", "\talways changed"]
+    repro = run_checked("dvc", "repro", cwd=clone)
+    assert "Running stage 'train'" not in repro and "Running stage 'prepare'" not in repro
+
+
+def _checklist(repo: Path, *extra: str) -> tuple[int, dict[str, str]]:
+    result = run_cli("checklist", "--json", *extra, cwd=repo)
+    items = json.loads(result.stdout)
+    return result.returncode, {f"{i['category']}/{i['name']}": i["status"] for i in items}
+
+
+def test_checklist_on_a_clean_tree_has_no_failures(dvc_repo: Path) -> None:
+    code, items = _checklist(dvc_repo, "--strict")
+    assert code == 0, items
+    assert "fail" not in items.values()
+    assert items["environment/image digest known"] == "warn"  # not in a container here
+
+
+def test_checklist_reports_a_dirty_tree(repo_copy: Path) -> None:
+    (repo_copy / "src/reprotrain/pipeline/model.py").write_text("# edited\n", encoding="utf-8")
+    code, items = _checklist(repo_copy, "--strict")
+    assert items["code/clean tree"] == "fail" and code == 1
+
+
+def test_checklist_reports_a_drifted_package(repo_copy: Path) -> None:
+    lock = repo_copy / "requirements-cpu.lock"
+    lock.write_text(lock.read_text().replace("\nnumpy==", "\nnumpy==0.0.1-was-"))
+    code, items = _checklist(repo_copy, "--strict")
+    assert items["environment/lock installed exactly"] == "fail" and code == 1
+
+
+def test_checklist_reports_a_missing_hash_seed(repo_copy: Path) -> None:
+    path = repo_copy / "reports/run.json"
+    record = json.loads(path.read_text())
+    record["inputs"]["determinism"]["hash_seed_fixed_at_start"] = False
+    path.write_text(json.dumps(record))
+    commit_all(repo_copy, "a run made without a fixed hash seed")
+    code, items = _checklist(repo_copy, "--strict")
+    assert items["random state/hash seed fixed at start"] == "fail" and code == 1
+    assert items["code/clean tree"] == "pass"

@@ -1,0 +1,255 @@
+"""Resume: an interrupted run resumes to the same bits; bad or foreign checkpoints are refused."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+
+from reprotrain.determinism import configure_determinism
+from reprotrain.hashing import fingerprint_state_dict, sha256_file
+from reprotrain.pipeline import train
+from reprotrain.pipeline.config import load_params
+from reprotrain.pipeline.data import load_prepared
+from reprotrain.resume import sidecar
+from tests.helpers import ROOT, cli_env, run_checked, run_cli
+
+EPOCHS = 4
+pytestmark = pytest.mark.usefixtures("restore_torch_flags")
+
+
+def _fit(prepared: Path, epochs: int, run_dir: Path, resume=None, random_state=True) -> str:
+    params = load_params(ROOT / "params.yaml", [f"train.max_epochs={epochs}", "data.num_workers=0"])
+    settings = configure_determinism(params.seed, params.deterministic)
+    module, _ = train.fit(
+        params, load_prepared(prepared), settings, run_dir, "run", resume, random_state
+    )
+    return fingerprint_state_dict(module.net.state_dict())
+
+
+def test_resume_at_an_epoch_boundary_is_bitwise_equal(prepared: Path, tmp_path: Path) -> None:
+    straight = _fit(prepared, EPOCHS, tmp_path / "straight")
+    _fit(prepared, 2, tmp_path / "part")
+    assert _fit(prepared, EPOCHS, tmp_path / "part", tmp_path / "part/epoch=1.ckpt") == straight
+
+
+def test_resume_without_the_random_state_differs(prepared: Path, tmp_path: Path) -> None:
+    straight = _fit(prepared, EPOCHS, tmp_path / "straight")
+    _fit(prepared, 2, tmp_path / "part", random_state=False)
+    resumed = _fit(prepared, EPOCHS, tmp_path / "part", tmp_path / "part/epoch=1.ckpt", False)
+    assert resumed != straight
+
+
+def _train_argv(prepared: Path, out: Path, env: Path) -> list[str]:
+    return [
+        "train",
+        "--params",
+        str(ROOT / "params.yaml"),
+        "-S",
+        f"train.max_epochs={EPOCHS}",
+        "--data",
+        str(prepared),
+        "--env",
+        str(env),
+        "--checkpoints",
+        str(out / "ckpt"),
+        "--model",
+        str(out / "model.safetensors"),
+        "--metrics",
+        str(out / "metrics.json"),
+        "--plots",
+        str(out / "plots"),
+        "--run-record",
+        str(out / "run.json"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def straight_run(prepared: Path, env_record: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("straight")
+    result = run_cli(*_train_argv(prepared, out, env_record), cwd=out)
+    assert result.returncode == 0, result.stderr
+    assert not any((out / "ckpt").rglob("*.ckpt")), "checkpoints are dropped after success"
+    return out
+
+
+def _kill_tree(roots) -> None:
+    """SIGKILL each process and all its descendants (DataLoader workers included)."""
+    victims = []
+    for root in roots:
+        victims += [root, *root.children(recursive=True)]
+    for victim in victims:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victim.kill()
+
+
+def _kill_after_checkpoint(argv: list[str], ckpt_root: Path, min_epoch: int, cwd: Path) -> None:
+    """Start `reprotrain train`, SIGKILL it at a random moment after epoch `min_epoch` is saved."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reprotrain", *argv],
+        cwd=cwd,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        done = [
+            int(p.name.removeprefix("epoch=").removesuffix(".ckpt"))
+            for p in ckpt_root.glob("*/epoch=*.ckpt")
+            if sidecar(p).is_file()
+        ]
+        if done and max(done) >= min_epoch:
+            time.sleep(random.uniform(0, 0.5))
+            _kill_tree([psutil.Process(proc.pid)])
+            break
+        time.sleep(0.02)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+
+
+@pytest.mark.parametrize("kill_after_epoch", [0, 2])
+def test_kill_9_then_rerun_resumes_to_the_same_bits(
+    kill_after_epoch: int, prepared: Path, env_record: Path, straight_run: Path, tmp_path: Path
+) -> None:
+    argv = _train_argv(prepared, tmp_path, env_record)
+    _kill_after_checkpoint(argv, tmp_path / "ckpt", kill_after_epoch, tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
+    result = run_cli(*argv, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "resumed from epoch=" in result.stdout
+    for name in ("model.safetensors", "metrics.json", "plots/train_loss.csv", "plots/val.csv"):
+        assert sha256_file(tmp_path / name) == sha256_file(straight_run / name), name
+    assert (
+        json.loads((tmp_path / "run.json").read_text())["run_id"]
+        == json.loads((straight_run / "run.json").read_text())["run_id"]
+    )
+
+
+def _interrupted_checkpoint(prepared: Path, env_record: Path, tmp_path: Path) -> tuple[list, Path]:
+    argv = _train_argv(prepared, tmp_path, env_record)
+    _kill_after_checkpoint(argv, tmp_path / "ckpt", 0, tmp_path)
+    (ckpt,) = (tmp_path / "ckpt").glob("*/epoch=*.ckpt")
+    return argv, ckpt
+
+
+def test_tampered_checkpoint_is_refused_unloaded(
+    prepared: Path, env_record: Path, tmp_path: Path
+) -> None:
+    argv, ckpt = _interrupted_checkpoint(prepared, env_record, tmp_path)
+    blob = bytearray(ckpt.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    ckpt.write_bytes(bytes(blob))
+    result = run_cli(*argv, cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"{ckpt.name}: sha256" in result.stderr and "tampered" in result.stderr
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_checkpoint_of_another_run_is_refused(
+    prepared: Path, env_record: Path, tmp_path: Path
+) -> None:
+    argv, ckpt = _interrupted_checkpoint(prepared, env_record, tmp_path)
+    other = [*argv, "--seed", "7", "--checkpoints", str(tmp_path / "b")]
+    result = run_cli(*other, cwd=tmp_path)
+    assert result.returncode == 0  # a complete run B (another seed), to learn its run ID
+    run_b = json.loads((tmp_path / "run.json").read_text())["run_id"]
+    target = tmp_path / "b" / run_b / ckpt.name
+    target.parent.mkdir(parents=True)
+    target.write_bytes(ckpt.read_bytes())
+    sidecar(target).write_text(sidecar(ckpt).read_text())
+    before = sha256_file(tmp_path / "model.safetensors")
+    refused = run_cli(*other, cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "written for run" in refused.stderr and run_b[:12] in refused.stderr
+    assert sha256_file(tmp_path / "model.safetensors") == before
+
+
+def test_dvc_repro_after_an_interruption_resumes_to_the_reference_bits(
+    repo_copy: Path, dvc_repo: Path
+) -> None:
+    proc = subprocess.Popen(
+        ["dvc", "repro", "--force", "--single-item", "train"],
+        cwd=repo_copy,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    killed = False
+    while time.monotonic() < deadline and proc.poll() is None and not killed:
+        ckpts = [
+            p for p in (repo_copy / "checkpoints").glob("*/epoch=*.ckpt") if sidecar(p).exists()
+        ]
+        if ckpts:
+            _kill_tree(
+                c
+                for c in psutil.Process(proc.pid).children(recursive=True)
+                if "reprotrain train" in " ".join(c.cmdline())
+            )
+            killed = True
+        time.sleep(0.02)
+    proc.wait()
+    assert killed and proc.returncode != 0
+    out = run_checked("dvc", "repro", cwd=repo_copy)
+    assert "resumed from epoch=" in out
+    for name in ("models/model.safetensors", "reports/metrics.json", "reports/train_metrics.json"):
+        assert (repo_copy / name).read_bytes() == (dvc_repo / name).read_bytes(), name
+    resumed, reference = (
+        json.loads((r / "reports/run.json").read_text()) for r in (repo_copy, dvc_repo)
+    )
+    # Only the git commit differs (the copy has one more commit); it is provenance, not input.
+    assert resumed["run_id"] == reference["run_id"]
+    assert resumed["outputs"] == reference["outputs"]
+
+
+def test_lock_drift_is_refused_in_true_mode(
+    prepared: Path, env_record: Path, tmp_path: Path
+) -> None:
+    record = json.loads(env_record.read_text())
+    record["lock"]["exact"] = False
+    record["lock"]["drift"] = [{"package": "numpy", "locked": "2.4.6", "installed": "2.4.7"}]
+    drifted = tmp_path / "environment.json"
+    drifted.write_text(json.dumps(record))
+    result = run_cli(*_train_argv(prepared, tmp_path, drifted), cwd=tmp_path)
+    assert result.returncode == 3
+    assert "numpy 2.4.7 (lock 2.4.6)" in result.stderr and "make venv" in result.stderr
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_non_deterministic_op_is_named_with_the_fix(
+    prepared: Path, env_record: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from torch._prims_common import alert_not_deterministic
+
+    from reprotrain import cli
+    from reprotrain.pipeline.model import Classifier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alert_not_deterministic("scatter_add_cuda_kernel")  # what a CUDA-only op raises
+        return self.net(x)
+
+    monkeypatch.setattr(Classifier, "forward", forward)
+    code = cli.main([*_train_argv(prepared, tmp_path, env_record)])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert "scatter_add_cuda_kernel has no deterministic implementation" in err
+    assert "deterministic: warn" in err
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_dvc_yaml_trains_with_checkpoints_outside_dvc_outputs() -> None:
+    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]
+    assert "--checkpoints checkpoints" in spec["cmd"]
+    outs = [next(iter(o)) if isinstance(o, dict) else o for o in spec["outs"]]
+    assert not any(o.startswith("checkpoints") for o in outs)

@@ -1,0 +1,309 @@
+"""TraceCallback and its fingerprints: stable, bit-sensitive, order-independent, byte-exact files.
+
+Also home of the tiny Lightning set-up that test_compare and test_locate reuse:
+``TinyNet`` (optionally with a layer that turns non-deterministic from a given
+step on) and ``fit_traced``, one seeded, deterministic fit with a trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+from reprotrain.compare import compare_traces
+from reprotrain.determinism import configure_determinism
+from reprotrain.trace import (
+    DEFAULT_WEIGHTS_EVERY,
+    RECORDS,
+    TraceCallback,
+    fingerprint,
+    load_trace,
+    rng_states,
+    tensor_bytes,
+)
+
+STEPS_PER_EPOCH = 8
+BATCH_SIZE = 8
+
+
+def unseeded_generator() -> torch.Generator:
+    """A generator no seed reaches: a stand-in for a non-deterministic kernel."""
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+class NoisyFromStep(nn.Module):
+    """Identity until training step ``start``, then adds unseeded noise to its input."""
+
+    def __init__(self, start: int) -> None:
+        super().__init__()
+        self.start, self.calls = start, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        self.calls += 1
+        if self.calls <= self.start:
+            return x
+        return x + 1e-3 * torch.randn(x.shape, generator=unseeded_generator())
+
+
+class _NoisyBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad + 1e-3 * torch.randn(grad.shape, generator=unseeded_generator())
+
+
+class NoisyGradFromStep(NoisyFromStep):
+    """Identity forward; from step ``start`` on its backward adds unseeded noise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return _NoisyBackward.apply(x) if self.calls > self.start else x
+
+
+class TinyNet(L.LightningModule):
+    """8 -> 16 -> 3 classifier with dropout; ``net.2`` is the slot for a noisy layer."""
+
+    def __init__(self, middle: nn.Module | None = None, optimizer: type = torch.optim.SGD) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(8, 16),
+            nn.ReLU(),
+            middle if middle is not None else nn.Identity(),
+            nn.Dropout(0.2),
+            nn.Linear(16, 3),
+        )
+        self.optimizer = optimizer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.optimizer(self.parameters(), lr=0.1)
+
+
+def tiny_data() -> TensorDataset:
+    """Fixed data, independent of the run's seed."""
+    gen = torch.Generator().manual_seed(1234)
+    n = STEPS_PER_EPOCH * BATCH_SIZE
+    return TensorDataset(torch.randn(n, 8, generator=gen), torch.randint(0, 3, (n,), generator=gen))
+
+
+class PrefixThenShuffle(Sampler[int]):
+    """The first ``prefix`` indices in order, the rest shuffled by a generator seeded ``seed``."""
+
+    def __init__(self, n: int, prefix: int, seed: int) -> None:
+        self.n, self.prefix, self.seed = n, prefix, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        rest = torch.randperm(
+            self.n - self.prefix, generator=torch.Generator().manual_seed(self.seed)
+        )
+        yield from range(self.prefix)
+        yield from (self.prefix + rest).tolist()
+
+
+def fit_traced(
+    path: Path,
+    *,
+    seed: int = 0,
+    make_model: Callable[[], L.LightningModule] = TinyNet,
+    sampler: Sampler[int] | None = None,
+    epochs: int = 1,
+    **trace_options: Any,
+) -> Path:
+    """One deterministic CPU fit of ``make_model()`` with a TraceCallback writing ``path``."""
+    saved_flags = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    settings = configure_determinism(seed, True)
+    model = make_model()
+    loader = DataLoader(
+        tiny_data(),
+        batch_size=BATCH_SIZE,
+        shuffle=sampler is None,
+        sampler=sampler,
+        generator=torch.Generator().manual_seed(seed) if sampler is None else None,
+        num_workers=0,
+    )
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[TraceCallback(path, **trace_options)],
+        **settings.trainer_flags(),
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's advice on workers and deprecations
+            trainer.fit(model, loader)
+    finally:
+        torch.use_deterministic_algorithms(saved_flags[0], warn_only=saved_flags[1])
+    return path
+
+
+# -- fingerprints ----------------------------------------------------------------------
+
+
+def test_same_bits_give_the_same_fingerprint() -> None:
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert int(fingerprint(t)) == int(fingerprint(t.clone())) == int(fingerprint(t.view(10, 100)))
+    assert 0 <= int(fingerprint(t)) < 2**32
+
+
+@pytest.mark.parametrize("position", [0, 517, 999])
+def test_one_flipped_bit_changes_the_fingerprint(position: int) -> None:
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    nudged = t.clone()
+    nudged[position] = torch.nextafter(t[position], torch.tensor(float("inf")))
+    assert int(fingerprint(nudged)) != int(fingerprint(t))
+    zeros = torch.zeros(4)
+    assert int(fingerprint(-zeros)) != int(fingerprint(zeros))  # -0.0 is other bits
+
+
+def test_fingerprint_is_position_dependent() -> None:
+    t = torch.arange(10, dtype=torch.float32)
+    swapped = t[[1, 0, *range(2, 10)]]
+    assert int(fingerprint(swapped)) != int(fingerprint(t))
+    # Negative control: a plain sum of the same bytes cannot see the swap.
+    assert int(tensor_bytes(swapped).sum()) == int(tensor_bytes(t).sum())
+
+
+@pytest.mark.parametrize("numel", [100, 100_003])  # the batched small path and the matmul path
+def test_fingerprint_does_not_depend_on_reduction_order(numel: int) -> None:
+    t = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    whole = int(fingerprint(t))
+    # The fingerprint is a sum over bytes: add up each chunk's share, in a shuffled order.
+    size = -(-numel // 23)
+    starts = list(range(0, numel, size))
+    random.Random(0).shuffle(starts)
+    total = 0
+    for start in starts:
+        only_chunk = torch.zeros_like(t)
+        only_chunk[start : start + size] = t[start : start + size]
+        total = (total + int(fingerprint(only_chunk))) % 2**32
+    assert total == whole
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert int(fingerprint(t)) == whole
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rng_state_follows_each_generator() -> None:
+    before = rng_states()
+    random.random()
+    after_python = rng_states()
+    np.random.rand()
+    after_numpy = rng_states()
+    torch.rand(1)
+    after_torch = rng_states()
+    changed = [
+        {k for k in before if x[k] != y[k]}
+        for x, y in (
+            (before, after_python),
+            (after_python, after_numpy),
+            (after_numpy, after_torch),
+        )
+    ]
+    assert changed == [{"python"}, {"numpy"}, {"torch"}]
+    assert rng_states() == after_torch  # reading the states consumes nothing
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("numel", [100, 100_003])
+def test_fingerprint_is_the_same_on_cuda_and_cpu(numel: int) -> None:
+    t = torch.randn(numel, generator=torch.Generator().manual_seed(2))
+    assert int(fingerprint(t.cuda())) == int(fingerprint(t))
+
+
+# -- the callback and its file ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def same_seed_runs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    work = tmp_path_factory.mktemp("trace")
+    return [
+        fit_traced(work / "a.safetensors"),
+        fit_traced(work / "b.safetensors"),
+        fit_traced(work / "c.safetensors", flush_every=3),
+        fit_traced(work / "full.safetensors", detail="full"),
+    ]
+
+
+def test_same_seed_gives_byte_identical_traces(same_seed_runs: list[Path]) -> None:
+    a, b, _, _ = same_seed_runs
+    assert a.read_bytes() == b.read_bytes()
+    trace = load_trace(a)
+    assert trace.num_steps == STEPS_PER_EPOCH
+    assert trace.step.tolist() == list(range(STEPS_PER_EPOCH))
+    assert set(trace.records) == set(RECORDS)
+    assert np.isfinite(trace.loss_value).all()
+    rows = np.arange(STEPS_PER_EPOCH)
+    assert np.array_equal(trace.weights_traced, rows % DEFAULT_WEIGHTS_EVERY == 0)
+    assert (trace.records["params"][~trace.weights_traced] == 0).all()
+    assert compare_traces(trace, load_trace(b)).identical
+
+
+def test_flushing_more_often_writes_the_same_bytes(same_seed_runs: list[Path]) -> None:
+    a, _, flushed_every_3, _ = same_seed_runs
+    assert a.read_bytes() == flushed_every_3.read_bytes()
+
+
+def test_full_detail_adds_per_tensor_columns_without_changing_the_rest(
+    same_seed_runs: list[Path],
+) -> None:
+    default, full = load_trace(same_seed_runs[0]), load_trace(same_seed_runs[3])
+    names = tuple(name for name, _ in TinyNet().named_parameters())
+    assert full.detail == "full" and full.param_names == names and full.weights_traced.all()
+    assert full.grads_per_param is not None and full.params_per_param is not None
+    assert full.grads_per_param.shape == full.params_per_param.shape == (8, len(names))
+    assert full.rng_per_source is not None and full.rng_per_source.shape == (8, 3)
+    assert default.grads_per_param is None
+    assert compare_traces(default, full).identical
+
+
+def test_load_trace_refuses_a_file_that_is_not_a_trace(tmp_path: Path) -> None:
+    other = tmp_path / "weights.safetensors"
+    save_file({"w": torch.zeros(2)}, other)
+    with pytest.raises(ValueError, match="not a reprotrain trace"):
+        load_trace(other)
+
+
+def test_trace_callback_rejects_unknown_detail(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="detail"):
+        TraceCallback(tmp_path / "t.safetensors", detail="everything")  # type: ignore[arg-type]
