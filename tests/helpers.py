@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -29,6 +31,19 @@ def run_cli(*args: str | Path, cwd: Path, **env: str) -> subprocess.CompletedPro
         text=True,
         timeout=600,
     )
+
+
+def run_in_process(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """`reprotrain ARGS` in this process: fast (no interpreter start, no torch import).
+
+    Paths must be absolute. For error paths; the end-to-end tests use run_cli.
+    """
+    from reprotrain.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def run_checked(*cmd: str | Path, cwd: Path, **env: str) -> str:

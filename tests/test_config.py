@@ -15,7 +15,7 @@ from reprotrain.pipeline.config import (
     parse_params,
     render_defaults,
 )
-from tests.helpers import run_cli
+from tests.helpers import run_cli, run_in_process
 
 
 def _defaults() -> dict:
@@ -127,12 +127,12 @@ def test_cli_bad_params_exit_2_and_write_nothing(case: str, tmp_path: Path, prep
     (tmp_path / "params.yaml").write_text(text)
     earlier = tmp_path / "model.safetensors"
     earlier.write_bytes(b"earlier output")
-    result = run_cli(
+    result = run_in_process(
         "train",
+        *("--params", tmp_path / "params.yaml"),
         *("--data", prepared, "--model", earlier, "--metrics", tmp_path / "metrics.json"),
         *("--plots", tmp_path / "plots", "--env", tmp_path / "env.json"),
         *("--run-record", tmp_path / "run.json", "--checkpoints", tmp_path / "ckpt"),
-        cwd=tmp_path,
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

@@ -107,7 +107,6 @@ def _large(data: torch.Tensor) -> torch.Tensor:
     """Unreduced fingerprint (0-d int64, right mod 2**32) of one byte tensor."""
     rows, tail = divmod(data.numel(), _BLOCK)
     w, r, _ = _weights(data.device, rows + 1)
-    total = torch.zeros((), dtype=torch.int64, device=data.device)
     if rows:
         body = data[: rows * _BLOCK].view(rows, _BLOCK)
         if data.device.type == "cpu":
@@ -115,6 +114,8 @@ def _large(data: torch.Tensor) -> torch.Tensor:
         else:  # partial sums are integers below 2**24: exact in float32, even TF32
             sums = (body.to(torch.float32) @ w.to(torch.float32)).to(torch.int32)
         total = (sums * r[:rows]).sum(dtype=torch.int64)  # int32 products wrap mod 2**32
+    else:
+        total = torch.zeros((), dtype=torch.int64, device=data.device)
     if tail:
         total = total + (data[-tail:, None].to(torch.int64) * w[:tail] * r[rows]).sum()
     return total
