@@ -25,6 +25,7 @@ from reprotrain.compare import (
     compare_weights,
     plot_losses,
 )
+from reprotrain.hashing import canonical_json
 from reprotrain.trace import Trace, load_trace
 from tests.test_trace import (
     BATCH_SIZE,
@@ -227,12 +228,12 @@ def test_report_renders_text_and_json(tmp_path: Path) -> None:
     a = _synthetic()
     report = ComparisonReport(
         trace=compare_traces(a, _changed(a, "batch", 3)),
-        weights=compare_weights({"w": torch.ones(2)}, {"w": torch.zeros(2)}),
+        weights=compare_weights({"w": torch.zeros(2)}, {"w": torch.ones(2)}),  # rel L2 inf
         environment=compare_environments({"torch": "2.13"}, {"torch": "2.12"}),
     )
     text = report.to_text()
     assert "diverge at step 3" in text and "data pipeline" in text and "VOID" in text
-    data = json.loads(json.dumps(report.to_dict()))
+    data = json.loads(canonical_json(report.to_dict()))  # strict JSON: no inf or NaN
     assert data["trace"]["record"] == "batch" and data["guarantee_applies"] is False
     assert data["weights_equal"] is False
 

@@ -25,6 +25,7 @@ voids the bitwise guarantee, from the small rule table ``ENV_RULES``.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -313,6 +314,13 @@ def compare_environments(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Env
     return out
 
 
+def _json_safe(row: dict[str, Any]) -> dict[str, Any]:
+    """inf / NaN as strings, so strict JSON writers (``canonical_json``) accept the report."""
+    return {
+        k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()
+    }
+
+
 @dataclass(frozen=True)
 class ComparisonReport:
     """Everything known about two runs; ``to_text()`` for people, ``to_dict()`` for JSON."""
@@ -329,7 +337,7 @@ class ComparisonReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "trace": None if self.trace is None else self.trace.to_dict(),
-            "weights": [{**asdict(d), "equal": d.equal} for d in self.weights],
+            "weights": [_json_safe({**asdict(d), "equal": d.equal}) for d in self.weights],
             "weights_equal": all(d.equal for d in self.weights),
             "environment": [{**asdict(d), "voids": d.voids} for d in self.environment],
             "guarantee_applies": self.guarantee_applies,
