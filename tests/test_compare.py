@@ -19,12 +19,12 @@ import torch
 from reprotrain.compare import (
     DIAGNOSES,
     ComparisonReport,
-    classify_env_key,
     compare_environments,
     compare_traces,
     compare_weights,
     plot_losses,
 )
+from reprotrain.envdiff import classify_env_key
 from reprotrain.hashing import canonical_json
 from reprotrain.trace import Trace, load_trace
 from tests.test_trace import (

@@ -17,7 +17,12 @@ LIBRARY = (
     "reprotrain.hashing",
     "reprotrain.atomic",
     "reprotrain.environment",
+    "reprotrain.envdiff",
     "reprotrain.provenance",
+    "reprotrain.resume",
+    "reprotrain.trace",
+    "reprotrain.compare",
+    "reprotrain.locate",
 )
 STAGES = ("prepare", "train", "evaluate")
 

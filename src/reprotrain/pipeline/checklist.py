@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
-from reprotrain.compare import compare_environments
+from reprotrain.envdiff import compare_environments
 from reprotrain.environment import git_state
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.env import record_environment

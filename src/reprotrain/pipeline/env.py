@@ -65,7 +65,7 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
 
 def explain_difference(a: Path, b: Path) -> str:
     """Which fields of two environment records differ, and which void bitwise equality."""
-    from reprotrain.compare import compare_environments
+    from reprotrain.envdiff import compare_environments
     from reprotrain.pipeline.run_record import load_environment
 
     diffs = compare_environments(load_environment(a), load_environment(b))
