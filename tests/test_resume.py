@@ -21,7 +21,7 @@ from reprotrain.hashing import fingerprint_state_dict, sha256_file
 from reprotrain.pipeline import train
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import load_prepared
-from reprotrain.resume import sidecar
+from reprotrain.resume import latest_checkpoint, sidecar
 from tests.helpers import ROOT, cli_env, run_checked, run_cli
 
 EPOCHS = 4
@@ -83,13 +83,22 @@ def straight_run(prepared: Path, env_record: Path, tmp_path_factory) -> Path:
     return out
 
 
+def _cmdline(process: psutil.Process) -> str:
+    """The command line, or "" for a process that is gone or a zombie."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def _kill_tree(roots) -> None:
     """SIGKILL each process and all its descendants (DataLoader workers included)."""
     victims = []
     for root in roots:
-        victims += [root, *root.children(recursive=True)]
+        with contextlib.suppress(psutil.Error):
+            victims += [root, *root.children(recursive=True)]
     for victim in victims:
-        with contextlib.suppress(psutil.NoSuchProcess):
+        with contextlib.suppress(psutil.Error):
             victim.kill()
 
 
@@ -110,7 +119,7 @@ def _kill_after_checkpoint(argv: list[str], ckpt_root: Path, min_epoch: int, cwd
             if sidecar(p).is_file()
         ]
         if done and max(done) >= min_epoch:
-            time.sleep(random.uniform(0, 0.5))
+            time.sleep(random.uniform(0, 0.2))  # inside the next epoch, well before the end
             _kill_tree([psutil.Process(proc.pid)])
             break
         time.sleep(0.02)
@@ -118,7 +127,7 @@ def _kill_after_checkpoint(argv: list[str], ckpt_root: Path, min_epoch: int, cwd
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
 
 
-@pytest.mark.parametrize("kill_after_epoch", [0, 2])
+@pytest.mark.parametrize("kill_after_epoch", [0, 1])
 def test_kill_9_then_rerun_resumes_to_the_same_bits(
     kill_after_epoch: int, prepared: Path, env_record: Path, straight_run: Path, tmp_path: Path
 ) -> None:
@@ -139,7 +148,8 @@ def test_kill_9_then_rerun_resumes_to_the_same_bits(
 def _interrupted_checkpoint(prepared: Path, env_record: Path, tmp_path: Path) -> tuple[list, Path]:
     argv = _train_argv(prepared, tmp_path, env_record)
     _kill_after_checkpoint(argv, tmp_path / "ckpt", 0, tmp_path)
-    (ckpt,) = (tmp_path / "ckpt").glob("*/epoch=*.ckpt")
+    ckpt = latest_checkpoint(next((tmp_path / "ckpt").iterdir()))
+    assert ckpt is not None
     return argv, ckpt
 
 
@@ -195,7 +205,7 @@ def test_dvc_repro_after_an_interruption_resumes_to_the_reference_bits(
             _kill_tree(
                 c
                 for c in psutil.Process(proc.pid).children(recursive=True)
-                if "reprotrain train" in " ".join(c.cmdline())
+                if "reprotrain train" in _cmdline(c)
             )
             killed = True
         time.sleep(0.02)
