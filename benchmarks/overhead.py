@@ -76,7 +76,11 @@ def main() -> None:
         start = time.perf_counter()
         subprocess.run(
             [sys.executable, "-m", "reprotrain", "train", *overrides_as_flags(overrides)]
-            + [f"--{key}={value}" for key, value in vars(args).items()],
+            + [
+                f"--{key.replace('_', '-')}={value}"
+                for key, value in vars(args).items()
+                if value is not None
+            ],
             cwd=ROOT,
             check=True,
             capture_output=True,

@@ -29,7 +29,12 @@ pytestmark = pytest.mark.usefixtures("restore_torch_flags")
 
 
 def _fit(prepared: Path, epochs: int, run_dir: Path, resume=None, random_state=True) -> str:
-    params = load_params(ROOT / "params.yaml", [f"train.max_epochs={epochs}", "data.num_workers=0"])
+    overrides = [
+        f"train.max_epochs={epochs}",
+        "data.num_workers=0",
+        "train.checkpoint_every_n_epochs=1",
+    ]
+    params = load_params(ROOT / "params.yaml", overrides)
     settings = configure_determinism(params.seed, params.deterministic)
     module, _ = train.fit(
         params, load_prepared(prepared), settings, run_dir, "run", resume, random_state
@@ -55,8 +60,7 @@ def _train_argv(prepared: Path, out: Path, env: Path) -> list[str]:
         "train",
         "--params",
         str(ROOT / "params.yaml"),
-        "-S",
-        f"train.max_epochs={EPOCHS}",
+        *("-S", f"train.max_epochs={EPOCHS}", "-S", "train.checkpoint_every_n_epochs=1"),
         "--data",
         str(prepared),
         "--env",

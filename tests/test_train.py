@@ -47,6 +47,9 @@ def runs(
         "a": _train(prepared, env_record, base / "a"),
         "b": _train(prepared, env_record, base / "b"),
         "other_seed": _train(prepared, env_record, base / "c", "--seed", "43"),
+        "every_epoch": _train(
+            prepared, env_record, base / "d", "-S", "train.checkpoint_every_n_epochs=1"
+        ),
     }
 
 
@@ -101,3 +104,10 @@ def test_metrics_and_curves_cover_every_epoch_and_step(runs: dict[str, Path]) ->
     assert metrics["epochs"] == int(EPOCHS) and len(epochs) == int(EPOCHS) + 1
     assert metrics["steps"] == len(steps) - 1 > 0
     assert 0 <= metrics["val_acc"] <= 1
+
+
+def test_checkpoint_frequency_does_not_change_the_bits(runs: dict[str, Path]) -> None:
+    # Saving a checkpoint reads the random state but must never consume it. (The files
+    # differ: the weights file's metadata records the params, this one included.)
+    a, every = _weights(runs["a"]), _weights(runs["every_epoch"])
+    assert fingerprint_state_dict(every) == fingerprint_state_dict(a)

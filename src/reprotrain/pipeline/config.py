@@ -54,6 +54,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     max_epochs: int = _spec(10, "training epochs", ge=1, le=100000)
+    checkpoint_every_n_epochs: int = _spec(
+        5, "epochs between resumable checkpoints (no effect on the result)", ge=1, le=100000
+    )
     optimizer: str = _spec("adam", "optimizer", choices=("adam", "adamw", "sgd"))
     lr: float = _spec(0.005, "learning rate", gt=0, le=10)
     weight_decay: float = _spec(0.0, "weight decay", ge=0)

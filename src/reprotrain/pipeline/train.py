@@ -4,7 +4,8 @@ Reads top to bottom: configure determinism (before anything touches CUDA);
 refuse a drifted lock in ``true`` mode; check the prepared data against the
 checksum DVC recorded and compute the run ID; resume from this run ID's
 newest verified checkpoint if an earlier attempt was interrupted; fit with
-Lightning, checkpointing at every epoch end with the full random state; then
+Lightning, checkpointing every ``train.checkpoint_every_n_epochs`` epochs
+with the full random state; then
 write every output atomically, the run record (``run.json``: run ID and
 output hashes) last, and drop the checkpoints. Nothing written contains a
 time, a path, a host name or a logger version folder, so identical training
@@ -133,10 +134,11 @@ def fit(
 ) -> tuple[Classifier, MemoryLogger]:
     """Build the model and data module from ``params`` and fit them with Lightning.
 
-    With ``checkpoint_dir``, a verified checkpoint is written at every epoch
-    end (the newest one kept), and ``resume_from`` continues from one. The
-    random state rides along unless ``random_state=False``, which exists for
-    the negative control (resume then differs) and the overhead benchmark.
+    With ``checkpoint_dir``, a verified checkpoint is written at the end of
+    every ``train.checkpoint_every_n_epochs``-th epoch (the newest one kept),
+    and ``resume_from`` continues from one. The random state rides along
+    unless ``random_state=False``, which exists for the negative control
+    (resume then differs) and the overhead benchmark.
     """
     module = Classifier(params.model, params.train, data.input_shape, data.num_classes)
     datamodule = PreparedDataModule(
@@ -158,7 +160,7 @@ def fit(
                 filename="epoch={epoch}",
                 auto_insert_metric_name=False,
                 save_top_k=1,
-                every_n_epochs=1,
+                every_n_epochs=params.train.checkpoint_every_n_epochs,
                 enable_version_counter=False,
             ),
         ]
