@@ -2,7 +2,8 @@
 
 Every sub-command is a module in :mod:`reprotrain.pipeline` with ``PARAMS``,
 ``add_arguments`` and ``run``; only the chosen one is imported, so light
-commands (``env``, ``checklist``) never pay for importing torch. Commands
+commands (``env``) never pay for importing torch. ``run`` returns a one-line
+summary to print, or an exit code when it printed its own output. Commands
 that train or configure determinism first restart the interpreter with
 ``PYTHONHASHSEED`` fixed, before torch is imported. Commands that read
 ``params.yaml`` load it once and apply overrides (``--seed 7``,
