@@ -42,10 +42,15 @@ format: venv ## Apply ruff fixes and formatting
 	$(BIN)/ruff check --fix src tests benchmarks
 	$(BIN)/ruff format src tests benchmarks
 
-lock: venv ## Recompile requirements-cpu.lock from requirements.in (hashes, no local paths)
-	$(BIN)/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
-		--no-emit-find-links --no-emit-index-url --no-header --resolver=backtracking \
-		-o requirements-cpu.lock requirements.in
+PIP_COMPILE = $(BIN)/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+	--no-emit-find-links --no-emit-index-url --no-header
+
+lock: venv ## Recompile both locks from requirements.in (hashes, no local paths)
+	$(PIP_COMPILE) -o requirements-cpu.lock requirements.in
+	@# The container lock: public index only, so torch is the CUDA build; the machine's
+	@# pip config (a local CPU torch wheel) is isolated away.
+	env PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(PIP_COMPILE) --pip-args "--isolated" \
+		-o requirements.lock requirements.in
 
 bench: venv ## Overhead of our train stage vs a bare Lightning loop
 	$(BIN)/python benchmarks/overhead.py

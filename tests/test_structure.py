@@ -80,3 +80,29 @@ def test_requirements_in_direct_dependencies_are_in_the_lock() -> None:
         name = re.split(r"[<>=!~\[ ]", line.strip(), maxsplit=1)[0].lower()
         if name and not name.startswith("#"):
             assert f"\n{name}==" in f"\n{lock}", name
+
+
+def _pins(lock: str) -> dict[str, str]:
+    text = (ROOT / lock).read_text()
+    return {n.lower(): v for n, v in re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+) \\$", text, re.M)}
+
+
+def test_container_lock_is_the_cuda_build_with_every_wheel_hashed() -> None:
+    text = (ROOT / "requirements.lock").read_text()
+    pins = _pins("requirements.lock")
+    assert pins["torch"] == "2.13.0"
+    assert {"triton", "nvidia-cudnn-cu13", "nvidia-cublas", "nvidia-nccl-cu13"} <= set(pins)
+    blocks = re.findall(
+        r"^[A-Za-z0-9][^\n]*==[^\n]*\\\n((?:\s+--hash=sha256:[0-9a-f]{64}.*\n)+)", text, re.M
+    )
+    assert len(blocks) == len(pins)
+    for forbidden in ("file://", "/opt/", "--find-links", "--index-url"):
+        assert forbidden not in text
+
+
+def test_the_two_locks_pin_the_same_versions_of_what_they_share() -> None:
+    cpu, cuda = _pins("requirements-cpu.lock"), _pins("requirements.lock")
+    shared = set(cpu) & set(cuda)
+    assert len(shared) > 50
+    differ = {n: (cpu[n], cuda[n]) for n in shared if cpu[n].split("+")[0] != cuda[n].split("+")[0]}
+    assert not differ
