@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: help venv repro test lint format lock bench clean
+.PHONY: help venv repro test verify lint format lock bench clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-8s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -33,6 +33,9 @@ repro: venv ## Run the pipeline (dvc repro) on the embedded default data
 
 test: venv lint ## Lint, then run the test suite
 	$(BIN)/pytest
+
+verify: venv ## Rerun training twice in fresh processes; fail unless the bits are identical
+	$(BIN)/reprotrain verify
 
 lint: venv ## ruff check and format check
 	$(BIN)/ruff check src tests benchmarks

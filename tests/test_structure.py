@@ -106,3 +106,18 @@ def test_the_two_locks_pin_the_same_versions_of_what_they_share() -> None:
     assert len(shared) > 50
     differ = {n: (cpu[n], cuda[n]) for n in shared if cpu[n].split("+")[0] != cuda[n].split("+")[0]}
     assert not differ
+
+
+def test_workflow_actions_are_pinned_by_sha_with_read_only_permissions() -> None:
+    workflows = sorted((ROOT / ".github/workflows").glob("*.yml"))
+    assert workflows
+    for path in workflows:
+        text = path.read_text()
+        uses = re.findall(r"^\s*(?:-\s*)?uses:\s*(\S+)", text, re.M)
+        assert uses, path
+        for action in uses:
+            assert re.fullmatch(r"[\w.-]+/[\w./-]+@[0-9a-f]{40}", action), f"{path}: {action}"
+        spec = yaml.safe_load(text)
+        assert spec["permissions"] == {"contents": "read"}, path
+        for name, job in spec["jobs"].items():
+            assert "write" not in str(job.get("permissions", "")), f"{path}: job {name}"

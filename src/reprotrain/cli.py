@@ -9,7 +9,8 @@ that train or configure determinism first restart the interpreter with
 ``params.yaml`` load it once and apply overrides (``--seed 7``,
 ``--deterministic warn``, ``-S train.lr=0.01``).
 
-Exit codes: 0 done; 1 a check failed (``checklist --strict``); 2 bad input
+Exit codes: 0 done; 1 a check failed (``checklist --strict``; ``verify``,
+``compare`` or ``locate`` found a difference); 2 bad input
 (params, data, model, lock or record file), nothing written; 3 the
 determinism guarantee cannot be honoured in this process.
 """
@@ -30,10 +31,13 @@ COMMANDS = {
     "evaluate": "score the test split",
     "fingerprint": "print the run ID the train stage would have now",
     "checklist": "reproducibility checklist: pass / warn / fail per item",
+    "verify": "rerun training in fresh processes and check the bits are identical",
+    "compare": "compare two runs (folders or git revisions): where and why they differ",
+    "locate": "name the module whose output or gradient differs between two equal steps",
 }
 #: Commands that need PYTHONHASHSEED fixed at interpreter start; `env` and
 #: `checklist` too, so the variables they record are the ones the stages run with.
-REEXEC = ("env", "prepare", "train", "evaluate", "fingerprint", "checklist")
+REEXEC = ("env", "prepare", "train", "evaluate", "fingerprint", "checklist", "verify", "locate")
 EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NOT_DETERMINISTIC = 3
