@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -40,8 +38,10 @@ from reprotrain.pipeline.runs import (
     RunComparison,
     RunFiles,
     compare_runs,
+    ensure_prepared,
     find_run,
     run_in_folder,
+    train_in_fresh_process,
 )
 from reprotrain.pipeline.stages import stage_arguments
 from reprotrain.trace import load_trace
@@ -73,7 +73,7 @@ def run(_: object, args: argparse.Namespace) -> int:
     if args.runs < 2 and not args.against:
         raise DataError(f"--runs {args.runs}: verify needs at least 2 runs to compare")
     train_args = stage_arguments("train", args.dvc_yaml)
-    _ensure_prepared(train_args.data)
+    ensure_prepared(train_args.data, "verify")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="reprotrain-verify-"))
     workdir.mkdir(parents=True, exist_ok=True)
     environment = workdir / FLAT["environment"]
@@ -86,7 +86,9 @@ def run(_: object, args: argparse.Namespace) -> int:
         reference = _committed_run(args.against, workdir, record)
         runs = 1 if reference is not None else max(runs, 2)
     folders = [
-        _train(train_args, workdir / f"run-{i + 1}", environment, args.overrides)
+        train_in_fresh_process(
+            train_args, workdir / f"run-{i + 1}", environment, args.overrides, "verify"
+        )
         for i in range(runs)
     ]
     fresh = [run_in_folder(folder, folder.name) for folder in folders]
@@ -98,15 +100,6 @@ def run(_: object, args: argparse.Namespace) -> int:
             plot_losses(load_trace(result.a.trace), load_trace(result.b.trace), plot)
             result.notes.append(f"loss plot: {plot}")
     return _report(results, workdir, keep=args.workdir is not None, as_json=args.json)
-
-
-def _ensure_prepared(data: Path) -> None:
-    if data.is_file():
-        return
-    print(f"reprotrain verify: {data} missing; running `dvc repro prepare`", file=sys.stderr)
-    done = subprocess.run(["dvc", "repro", "prepare"], check=False)
-    if done.returncode != 0 or not data.is_file():
-        raise DataError(f"{data}: `dvc repro prepare` did not produce it; fix that stage first")
 
 
 def _committed_run(rev: str, workdir: Path, record: dict[str, Any]) -> RunFiles | None:
@@ -126,33 +119,6 @@ def _committed_run(rev: str, workdir: Path, record: dict[str, Any]) -> RunFiles 
         )
         return None
     return committed
-
-
-def _train(
-    train_args: argparse.Namespace, folder: Path, environment: Path, overrides: list[str]
-) -> Path:
-    """The train stage's command in a fresh process, writing into ``folder``."""
-    if folder.exists():
-        shutil.rmtree(folder)
-    argv = [
-        *("--data", train_args.data, "--env", environment),
-        *("--model", folder / FLAT["model"], "--trace", folder / FLAT["trace"]),
-        *("--run-record", folder / FLAT["record"], "--metrics", folder / "train_metrics.json"),
-        *("--plots", folder / "plots", "--checkpoints", folder / "checkpoints"),
-    ]
-    if train_args.dvc_lock is not None:
-        argv += ["--dvc-lock", train_args.dvc_lock]
-    for override in overrides:
-        argv += ["-S", override]
-    command = [sys.executable, "-m", "reprotrain", "train", *map(str, argv)]
-    print(f"reprotrain verify: training {folder.name}", file=sys.stderr, flush=True)
-    # The run's own summary goes to stderr: stdout is for verify's result (and --json).
-    done = subprocess.run(command, check=False, stdout=subprocess.PIPE, text=True)
-    print(done.stdout, file=sys.stderr, end="")
-    if done.returncode != 0:
-        raise DataError(f"training for {folder} failed (exit {done.returncode}); see above")
-    shutil.copy2(environment, folder / FLAT["environment"])
-    return folder
 
 
 def _report(results: list[RunComparison], workdir: Path, keep: bool, as_json: bool) -> int:
