@@ -23,6 +23,8 @@ LIBRARY = (
     "reprotrain.trace",
     "reprotrain.compare",
     "reprotrain.locate",
+    "reprotrain.nondeterminism",
+    "reprotrain.opcatalog",
 )
 STAGES = ("prepare", "train", "evaluate")
 
