@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: help venv repro test verify lint format lock bench clean
+.PHONY: help venv repro test test-gpu verify lint format lock bench ops clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-8s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -33,6 +33,9 @@ repro: venv ## Run the pipeline (dvc repro) on the embedded default data
 
 test: venv lint ## Lint, then run the test suite
 	$(BIN)/pytest
+
+test-gpu: venv ## Run the GPU tests (marked `gpu`; they skip without CUDA)
+	$(BIN)/pytest -m gpu
 
 verify: venv ## Rerun training twice in fresh processes; fail unless the bits are identical
 	$(BIN)/reprotrain verify
@@ -57,6 +60,9 @@ lock: venv ## Recompile both locks from requirements.in (hashes, no local paths)
 
 bench: venv ## Overhead of our train stage vs a bare Lightning loop
 	$(BIN)/python benchmarks/overhead.py
+
+ops: venv ## Probe the non-deterministic op catalog on this machine's CPU into docs/cpu/
+	$(BIN)/reprotrain ops --device cpu --out-md docs/cpu/ops.md --out-json docs/cpu/ops.json
 
 clean: ## Remove the venv and DVC outputs (not the DVC cache)
 	rm -rf $(VENV) data/prepared models reports

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.helpers import ROOT, commit_all, run_cli
@@ -104,3 +105,21 @@ def test_locate_names_the_injected_layer_and_nothing_without_it(
     else:
         assert result.returncode == 0, result.stderr
         assert "identical" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_twin_two_fresh_gpu_trainings_give_identical_bits(
+    repo_copy: Path, tmp_path: Path
+) -> None:
+    # Fresh processes, so the determinism flags and CUBLAS_WORKSPACE_CONFIG are in force
+    # before CUDA starts; the CPU test is tests/test_train.py's same-seed test.
+    result = run_cli(
+        "verify",
+        *("-S", "train.accelerator=gpu", "-S", "train.max_epochs=1"),
+        *("--workdir", tmp_path / "w"),
+        cwd=repo_copy,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "IDENTICAL (2 runs)" in result.stdout
+    assert "IDENTICAL: the same bits" in result.stdout

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-#: Sub-command -> one-line help. Each is the module reprotrain.pipeline.<name>.
+#: Sub-command -> one-line help. Each is the module reprotrain.pipeline.<name> ("-" -> "_").
 COMMANDS = {
     "env": "record the environment that decides the bits",
     "prepare": "materialise and split the dataset",
@@ -34,17 +34,32 @@ COMMANDS = {
     "verify": "rerun training in fresh processes and check the bits are identical",
     "compare": "compare two runs (folders or git revisions): where and why they differ",
     "locate": "name the module whose output or gradient differs between two equal steps",
+    "noise-floor": "how far same-seed runs drift with determinism off and on",
+    "bench": "step-time cost of determinism and of cuDNN autotuning, paired and interleaved",
+    "ops": "catalog of ops with non-deterministic default paths, measured on this device",
 }
 #: Commands that need PYTHONHASHSEED fixed at interpreter start; `env` and
 #: `checklist` too, so the variables they record are the ones the stages run with.
-REEXEC = ("env", "prepare", "train", "evaluate", "fingerprint", "checklist", "verify", "locate")
+REEXEC = (
+    "env",
+    "prepare",
+    "train",
+    "evaluate",
+    "fingerprint",
+    "checklist",
+    "verify",
+    "locate",
+    "noise-floor",
+    "bench",
+    "ops",
+)
 EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NOT_DETERMINISTIC = 3
 
 
 def _module(name: str) -> ModuleType:
-    return importlib.import_module(f"reprotrain.pipeline.{name}")
+    return importlib.import_module(f"reprotrain.pipeline.{name.replace('-', '_')}")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
