@@ -15,7 +15,9 @@ revision was trained on: when the fresh environment record differs from the
 committed one in a field that voids the bitwise guarantee (GPU, torch,
 CUDA, CPU kernels...), verify says so and compares fresh reruns instead.
 
-Cost: ``runs`` trainings plus a few seconds (``benchmarks/verify_cost.py``).
+Runs train ``--jobs`` at a time (default 2, see
+:mod:`reprotrain.pipeline.reruns`); cost against one training run:
+``benchmarks/verify_cost.py``.
 """
 
 from __future__ import annotations
@@ -32,16 +34,15 @@ from reprotrain.envdiff import compare_environments
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.env import record_environment
 from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.reruns import ensure_prepared, train_fresh
 from reprotrain.pipeline.run_record import load_environment
 from reprotrain.pipeline.runs import (
     FLAT,
     RunComparison,
     RunFiles,
     compare_runs,
-    ensure_prepared,
     find_run,
     run_in_folder,
-    train_in_fresh_process,
 )
 from reprotrain.pipeline.stages import stage_arguments
 from reprotrain.trace import load_trace
@@ -58,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workdir", type=Path, help="keep the run folders here (default: a temporary folder)"
     )
     parser.add_argument("--json", action="store_true", help="print the comparisons as JSON")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=2,
+        help="runs trained side by side (default 2; 1 for a model that fills the GPU)",
+    )
     parser.add_argument(
         "-S",
         "--set",
@@ -85,12 +92,8 @@ def run(_: object, args: argparse.Namespace) -> int:
     if args.against:
         reference = _committed_run(args.against, workdir, record)
         runs = 1 if reference is not None else max(runs, 2)
-    folders = [
-        train_in_fresh_process(
-            train_args, workdir / f"run-{i + 1}", environment, args.overrides, "verify"
-        )
-        for i in range(runs)
-    ]
+    folders = [workdir / f"run-{i + 1}" for i in range(runs)]
+    train_fresh(train_args, folders, environment, args.overrides, "verify", args.jobs)
     fresh = [run_in_folder(folder, folder.name) for folder in folders]
     first = reference or fresh[0]
     results = [compare_runs(first, other) for other in (fresh[1:] if reference is None else fresh)]
