@@ -17,7 +17,8 @@ DOCKER ?= docker
 IMAGE ?= reprotrain:latest
 BASE_IMAGE ?=
 
-.PHONY: help venv repro test test-container lint format lock bench clean image docker-repro
+.PHONY: help venv repro test test-gpu test-container verify lint format lock bench ops clean \
+	image docker-repro
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -39,6 +40,12 @@ repro: venv ## Run the pipeline (dvc repro) on the embedded default data
 
 test: venv lint ## Lint, then run the test suite (not the container build)
 	$(BIN)/pytest
+
+test-gpu: venv ## Run the GPU tests (marked `gpu`; they skip without CUDA)
+	$(BIN)/pytest -m gpu
+
+verify: venv ## Rerun training twice in fresh processes; fail unless the bits are identical
+	$(BIN)/reprotrain verify
 
 test-container: venv ## Build the image on a stand-in base, run the pipeline in it twice, compare bits
 	@$(DOCKER) info >/dev/null 2>&1 || { echo "make test-container: no Docker engine answers" \
@@ -65,6 +72,9 @@ lock: venv ## Recompile both locks from requirements.in (hashes, no local paths)
 
 bench: venv ## Overhead of our train stage vs a bare Lightning loop
 	$(BIN)/python benchmarks/overhead.py
+
+ops: venv ## Probe the non-deterministic op catalog on this machine's CPU into docs/cpu/
+	$(BIN)/reprotrain ops --device cpu --out-md docs/cpu/ops.md --out-json docs/cpu/ops.json
 
 image: ## Build the container image, tag it $(IMAGE), print its ID
 	$(DOCKER) build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .

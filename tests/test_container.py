@@ -45,6 +45,7 @@ IMAGE = "reprotrain:test"
 #: Outputs whose bytes must agree between the two container runs.
 OUTPUTS = (
     "models/model.safetensors",
+    "models/trace.safetensors",
     "reports/train_metrics.json",
     "reports/metrics.json",
     "reports/run.json",
@@ -213,6 +214,10 @@ def test_two_container_runs_of_the_pipeline_give_identical_bits(
     assert "Stage 'train' didn't change, skipping" in again, again
     for name in OUTPUTS:
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+    # Another command in place of the default one: rerun-and-compare inside the image.
+    verified = _docker_run(f"{container_name}-verify", image, run_as, first, "reprotrain", "verify")
+    assert "reprotrain verify: IDENTICAL" in verified, verified
 
 
 def test_the_container_refuses_packages_that_drift_from_the_mounted_lock(

@@ -75,6 +75,8 @@ def _train_argv(prepared: Path, out: Path, env: Path) -> list[str]:
         str(out / "plots"),
         "--run-record",
         str(out / "run.json"),
+        "--trace",
+        str(out / "trace.safetensors"),
     ]
 
 
@@ -141,7 +143,8 @@ def test_kill_9_then_rerun_resumes_to_the_same_bits(
     result = run_cli(*argv, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "resumed from epoch=" in result.stdout
-    for name in ("model.safetensors", "metrics.json", "plots/train_loss.csv", "plots/val.csv"):
+    names = ("model.safetensors", "trace.safetensors", "metrics.json", "plots/train_loss.csv")
+    for name in (*names, "plots/val.csv"):
         assert sha256_file(tmp_path / name) == sha256_file(straight_run / name), name
     assert (
         json.loads((tmp_path / "run.json").read_text())["run_id"]

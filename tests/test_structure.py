@@ -23,6 +23,8 @@ LIBRARY = (
     "reprotrain.trace",
     "reprotrain.compare",
     "reprotrain.locate",
+    "reprotrain.nondeterminism",
+    "reprotrain.opcatalog",
 )
 STAGES = ("prepare", "train", "evaluate")
 
@@ -116,3 +118,18 @@ def test_env_stage_leaves_the_lock_to_reprotrain_lock_and_every_lock_is_a_dep() 
     for stage in STAGES:
         locks = {dep for dep in stages[stage]["deps"] if dep.endswith(".lock")}
         assert locks == {"requirements-cpu.lock", "requirements.lock"}, stage
+
+
+def test_workflow_actions_are_pinned_by_sha_with_read_only_permissions() -> None:
+    workflows = sorted((ROOT / ".github/workflows").glob("*.yml"))
+    assert workflows
+    for path in workflows:
+        text = path.read_text()
+        uses = re.findall(r"^\s*(?:-\s*)?uses:\s*(\S+)", text, re.M)
+        assert uses, path
+        for action in uses:
+            assert re.fullmatch(r"[\w.-]+/[\w./-]+@[0-9a-f]{40}", action), f"{path}: {action}"
+        spec = yaml.safe_load(text)
+        assert spec["permissions"] == {"contents": "read"}, path
+        for name, job in spec["jobs"].items():
+            assert "write" not in str(job.get("permissions", "")), f"{path}: job {name}"

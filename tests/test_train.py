@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ def _train(prepared: Path, env: Path, out: Path, *overrides: str) -> Path:
         "--plots",
         out / "plots",
         *("--env", env, "--run-record", out / "run.json", "--checkpoints", out / "ckpt"),
+        *("--trace", out / "trace.safetensors"),
         cwd=out,
     )
     assert result.returncode == 0, result.stderr
@@ -48,7 +50,10 @@ def runs(
         "b": _train(prepared, env_record, base / "b"),
         "other_seed": _train(prepared, env_record, base / "c", "--seed", "43"),
         "every_epoch": _train(
-            prepared, env_record, base / "d", "-S", "train.checkpoint_every_n_epochs=1"
+            prepared,
+            env_record,
+            base / "d",
+            *("-S", "train.checkpoint_every_n_epochs=1", "-S", "train.trace=full"),
         ),
     }
 
@@ -67,6 +72,7 @@ def test_same_seed_gives_identical_weights(runs: dict[str, Path]) -> None:
 def test_same_seed_gives_identical_output_files(runs: dict[str, Path]) -> None:
     names = (
         "model.safetensors",
+        "trace.safetensors",
         "metrics.json",
         "run.json",
         "plots/train_loss.csv",
@@ -96,7 +102,6 @@ def test_model_records_params_and_determinism_in_force(runs: dict[str, Path]) ->
 
 
 def test_metrics_and_curves_cover_every_epoch_and_step(runs: dict[str, Path]) -> None:
-    import json
 
     metrics = json.loads((runs["a"] / "metrics.json").read_text())
     steps = (runs["a"] / "plots/train_loss.csv").read_text().splitlines()
@@ -106,8 +111,32 @@ def test_metrics_and_curves_cover_every_epoch_and_step(runs: dict[str, Path]) ->
     assert 0 <= metrics["val_acc"] <= 1
 
 
-def test_checkpoint_frequency_does_not_change_the_bits(runs: dict[str, Path]) -> None:
-    # Saving a checkpoint reads the random state but must never consume it. (The files
-    # differ: the weights file's metadata records the params, this one included.)
+def test_checkpoint_frequency_and_trace_detail_do_not_change_the_bits(
+    runs: dict[str, Path],
+) -> None:
+    # Saving a checkpoint or tracing reads the random state but must never consume it. (The
+    # files differ: the weights file's metadata records the params, these included.)
     a, every = _weights(runs["a"]), _weights(runs["every_epoch"])
     assert fingerprint_state_dict(every) == fingerprint_state_dict(a)
+
+
+def test_compare_says_identical_for_the_same_seed(runs: dict[str, Path]) -> None:
+    result = run_cli("compare", runs["a"], runs["b"], cwd=runs["a"])
+    assert result.returncode == 0, result.stderr
+    assert "IDENTICAL: the same bits" in result.stdout and "same run ID" in result.stdout
+
+
+def test_compare_blames_the_seed_from_step_zero(runs: dict[str, Path], tmp_path: Path) -> None:
+    plot = tmp_path / "loss.png"
+    text = run_cli("compare", runs["a"], runs["other_seed"], "--plot", plot, cwd=tmp_path)
+    assert text.returncode == 1, text.stderr
+    assert "traces diverge at step 0 (row 0): batch differs first" in text.stdout
+    assert "params.seed: 42 -> 43" in text.stdout
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    report = json.loads(
+        run_cli("compare", runs["a"], runs["other_seed"], "--json", cwd=tmp_path).stdout
+    )
+    assert report["trace"]["first_step"] == 0
+    assert {d["key"] for d in report["inputs"]} == {"params.seed", "determinism.seed"}
+    rows = {row["name"]: row for row in report["weights"]}
+    assert not rows["0.weight"]["equal"] and rows["0.weight"]["max_abs_diff"] > 0

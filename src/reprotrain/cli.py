@@ -9,7 +9,8 @@ that train or configure determinism first restart the interpreter with
 ``params.yaml`` load it once and apply overrides (``--seed 7``,
 ``--deterministic warn``, ``-S train.lr=0.01``).
 
-Exit codes: 0 done; 1 a check failed (``checklist --strict``); 2 bad input
+Exit codes: 0 done; 1 a check failed (``checklist --strict``; ``verify``,
+``compare`` or ``locate`` found a difference); 2 bad input
 (params, data, model, lock or record file), nothing written; 3 the
 determinism guarantee cannot be honoured in this process.
 """
@@ -22,7 +23,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-#: Sub-command -> one-line help. Each is the module reprotrain.pipeline.<name>.
+#: Sub-command -> one-line help. Each is the module reprotrain.pipeline.<name> ("-" -> "_").
 COMMANDS = {
     "env": "record the environment that decides the bits",
     "prepare": "materialise and split the dataset",
@@ -30,17 +31,35 @@ COMMANDS = {
     "evaluate": "score the test split",
     "fingerprint": "print the run ID the train stage would have now",
     "checklist": "reproducibility checklist: pass / warn / fail per item",
+    "verify": "rerun training in fresh processes and check the bits are identical",
+    "compare": "compare two runs (folders or git revisions): where and why they differ",
+    "locate": "name the module whose output or gradient differs between two equal steps",
+    "noise-floor": "how far same-seed runs drift with determinism off and on",
+    "bench": "step-time cost of determinism and of cuDNN autotuning, paired and interleaved",
+    "ops": "catalog of ops with non-deterministic default paths, measured on this device",
 }
 #: Commands that need PYTHONHASHSEED fixed at interpreter start; `env` and
 #: `checklist` too, so the variables they record are the ones the stages run with.
-REEXEC = ("env", "prepare", "train", "evaluate", "fingerprint", "checklist")
+REEXEC = (
+    "env",
+    "prepare",
+    "train",
+    "evaluate",
+    "fingerprint",
+    "checklist",
+    "verify",
+    "locate",
+    "noise-floor",
+    "bench",
+    "ops",
+)
 EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NOT_DETERMINISTIC = 3
 
 
 def _module(name: str) -> ModuleType:
-    return importlib.import_module(f"reprotrain.pipeline.{name}")
+    return importlib.import_module(f"reprotrain.pipeline.{name.replace('-', '_')}")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -19,8 +19,10 @@ usual reason for that place. With ``detail="full"`` traces it also names the
 first parameter tensor (or RNG source) that differs.
 ``compare_weights`` compares two state dicts tensor by tensor;
 ``compare_environments`` (from :mod:`reprotrain.envdiff`) lists environment
-fields that differ and whether each voids the bitwise guarantee.
-``ComparisonReport`` renders all three as text or as a JSON-ready dict.
+fields that differ and whether each voids the bitwise guarantee;
+``compare_inputs`` lists the run inputs (params, data and code hashes...)
+that differ, which is why two run IDs differ. ``ComparisonReport`` renders
+them all as text or as a JSON-ready dict.
 """
 
 from __future__ import annotations
@@ -35,18 +37,21 @@ import numpy as np
 import torch
 
 from reprotrain.atomic import atomic_path
-from reprotrain.envdiff import EnvDiff, compare_environments
+from reprotrain.envdiff import EnvDiff, compare_environments, flatten_record
 from reprotrain.trace import RECORDS, Trace
 
 __all__ = [
     "ComparisonReport",
     "EnvDiff",
+    "InputDiff",
     "TensorDiff",
     "TraceDiff",
     "compare_environments",
+    "compare_inputs",
     "compare_traces",
     "compare_weights",
     "plot_losses",
+    "weights_table",
 ]
 
 DIAGNOSES = {
@@ -251,12 +256,38 @@ def _json_safe(row: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class InputDiff:
+    """One run input (dotted key) with different values; ``None`` where a run lacks it."""
+
+    key: str
+    a: Any
+    b: Any
+
+    def to_text(self) -> str:
+        return f"{self.key}: {self.a!r} -> {self.b!r}"
+
+
+def compare_inputs(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[InputDiff]:
+    """The inputs that differ between two runs' input records (e.g. run.json ``inputs``)."""
+    flat_a, flat_b = flatten_record(a), flatten_record(b)
+    return [
+        InputDiff(key, flat_a.get(key), flat_b.get(key))
+        for key in sorted(set(flat_a) | set(flat_b))
+        if flat_a.get(key, _MISSING) != flat_b.get(key, _MISSING)
+    ]
+
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
 class ComparisonReport:
     """Everything known about two runs; ``to_text()`` for people, ``to_dict()`` for JSON."""
 
     trace: TraceDiff | None = None
     weights: list[TensorDiff] = field(default_factory=list)
     environment: list[EnvDiff] = field(default_factory=list)
+    inputs: list[InputDiff] = field(default_factory=list)
 
     @property
     def guarantee_applies(self) -> bool:
@@ -269,6 +300,7 @@ class ComparisonReport:
             "weights": [_json_safe({**asdict(d), "equal": d.equal}) for d in self.weights],
             "weights_equal": all(d.equal for d in self.weights),
             "environment": [{**asdict(d), "voids": d.voids} for d in self.environment],
+            "inputs": [asdict(d) for d in self.inputs],
             "guarantee_applies": self.guarantee_applies,
         }
 
@@ -276,10 +308,13 @@ class ComparisonReport:
         parts = []
         if self.trace is not None:
             parts.append(self.trace.to_text())
+        if self.inputs:
+            parts.append(f"run inputs that differ ({len(self.inputs)}), the likely explanation:")
+            parts += [f"  {d.to_text()}" for d in self.inputs]
         if self.weights:
-            unequal = [d for d in self.weights if not d.equal]
-            parts.append(f"weights: {len(self.weights) - len(unequal)}/{len(self.weights)} equal")
-            parts += [f"  {d.to_text()}" for d in unequal]
+            equal = sum(d.equal for d in self.weights)
+            parts.append(f"final weights: {equal}/{len(self.weights)} tensors bitwise equal")
+            parts.append(weights_table(self.weights))
         if self.environment:
             verdict = "applies" if self.guarantee_applies else "VOID"
             parts.append(f"environment: {len(self.environment)} differences, guarantee {verdict}")
@@ -288,6 +323,18 @@ class ComparisonReport:
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+def weights_table(diffs: list[TensorDiff]) -> str:
+    """A fixed-width table: tensor, equal / different / missing..., max |a-b|, relative L2."""
+    width = max(len("tensor"), *(len(d.name) for d in diffs))
+    lines = [f"  {'tensor':<{width}}  {'status':<9}  {'max |a-b|':>10}  {'rel L2':>10}"]
+    for d in diffs:
+        numbers = ("", "")
+        if d.max_abs_diff is not None and d.rel_l2 is not None:
+            numbers = (f"{d.max_abs_diff:.3g}", f"{d.rel_l2:.3g}")
+        lines.append(f"  {d.name:<{width}}  {d.status:<9}  {numbers[0]:>10}  {numbers[1]:>10}")
+    return "\n".join(lines)
 
 
 def plot_losses(a: Trace, b: Trace, path: str | Path, labels: tuple[str, str] = ("a", "b")) -> None:

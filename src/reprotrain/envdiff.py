@@ -71,23 +71,24 @@ class EnvDiff:
 _ABSENT = object()
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+def flatten_record(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings and lists of records -> ``{"a.b.0.c": value}``."""
     if isinstance(value, Mapping):
         out: dict[str, Any] = {}
         for key, item in value.items():
-            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+            out.update(flatten_record(item, f"{prefix}.{key}" if prefix else str(key)))
         return out
     if isinstance(value, (list, tuple)) and any(isinstance(v, (Mapping, list)) for v in value):
         out = {}
         for index, item in enumerate(value):
-            out.update(_flatten(item, f"{prefix}.{index}"))
+            out.update(flatten_record(item, f"{prefix}.{index}"))
         return out
     return {prefix: list(value) if isinstance(value, tuple) else value}
 
 
 def compare_environments(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[EnvDiff]:
     """Fields (dotted keys) whose values differ, each with whether it voids the guarantee."""
-    flat_a, flat_b = _flatten(a), _flatten(b)
+    flat_a, flat_b = flatten_record(a), flatten_record(b)
     out = []
     for key in sorted(set(flat_a) | set(flat_b)):
         va, vb = flat_a.get(key, _ABSENT), flat_b.get(key, _ABSENT)

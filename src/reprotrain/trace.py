@@ -237,6 +237,10 @@ class Trace:
 class TraceCallback(Callback):
     """Record per-step fingerprints during ``fit`` and write them to ``path`` at its end.
 
+    With ``path=None`` nothing is written automatically: call :meth:`write`
+    (the pipeline writes the trace together with its other outputs). The rows
+    ride along in Lightning checkpoints, so a resumed fit continues the trace.
+
     ``weights_every``: trace gradients and parameters on every n-th row
     (default 1 with ``detail="full"``, else ``DEFAULT_WEIGHTS_EVERY``).
     ``flush_every``: rows kept on the device before one copy to the host.
@@ -244,7 +248,7 @@ class TraceCallback(Callback):
 
     def __init__(
         self,
-        path: str | Path,
+        path: str | Path | None,
         detail: Detail = "default",
         flush_every: int = 64,
         weights_every: int | None = None,
@@ -254,7 +258,9 @@ class TraceCallback(Callback):
         self.weights_every = weights_every or (1 if detail == "full" else DEFAULT_WEIGHTS_EVERY)
         if flush_every < 1 or self.weights_every < 1:
             raise ValueError("flush_every and weights_every must be >= 1")
-        self.path, self.detail, self.flush_every = Path(path), detail, flush_every
+        self.path = None if path is None else Path(path)
+        self.detail, self.flush_every = detail, flush_every
+        self._restored: dict[str, Any] | None = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
@@ -269,8 +275,40 @@ class TraceCallback(Callback):
         self._flushed: list[np.ndarray] = []
         self._host: list[list[int]] = []  # step, epoch, batch_idx, traced, rng, rng sources
         self._grads: torch.Tensor | None = None
+        if self._restored is not None:  # resuming: keep the rows of the steps already run
+            self._continue(self._restored)
+            return
         initial = fingerprints(self._params, self._device)
         self._initial = int(self._mix(initial))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rows so far, as tensors (checkpoints load with ``weights_only=True``)."""
+        self._flush()
+        rows = np.concatenate(self._flushed) if self._flushed else np.zeros((0, 0), np.int64)
+        return {
+            "settings": [self.detail, self.weights_every],
+            "names": list(self._names),
+            "initial": self._initial,
+            "rows": torch.from_numpy(rows),
+            "host": torch.tensor(self._host, dtype=torch.int64),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict
+
+    def _continue(self, state: dict[str, Any]) -> None:
+        if state["settings"] != [self.detail, self.weights_every]:
+            raise ValueError(
+                f"checkpoint traced with detail/weights_every {state['settings']}, "
+                f"this run uses {[self.detail, self.weights_every]}"
+            )
+        if tuple(state["names"]) != self._names:
+            raise ValueError("checkpoint traced other parameters than this model has")
+        self._initial = state["initial"]
+        if len(state["rows"]):
+            self._flushed.append(state["rows"].numpy())
+        self._host = state["host"].tolist()
+        self._restored = None
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -329,7 +367,7 @@ class TraceCallback(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._flush()
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self.path is not None:
             self.write(self.path)
 
     def write(self, path: str | Path) -> None:

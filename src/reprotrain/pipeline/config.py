@@ -57,6 +57,12 @@ class TrainConfig:
     checkpoint_every_n_epochs: int = _spec(
         5, "epochs between resumable checkpoints (no effect on the result)", ge=1, le=100000
     )
+    trace: str = _spec(
+        "default",
+        "per-step trace next to the model (no effect on the result): 'default' fingerprints "
+        "weights every 32nd step, 'full' every step and per tensor",
+        choices=("default", "full"),
+    )
     optimizer: str = _spec("adam", "optimizer", choices=("adam", "adamw", "sgd"))
     lr: float = _spec(0.005, "learning rate", gt=0, le=10)
     weight_decay: float = _spec(0.0, "weight decay", ge=0)

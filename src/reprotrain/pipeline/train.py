@@ -6,8 +6,9 @@ checksum DVC recorded and compute the run ID; resume from this run ID's
 newest verified checkpoint if an earlier attempt was interrupted; fit with
 Lightning, checkpointing every ``train.checkpoint_every_n_epochs`` epochs
 with the full random state; then
-write every output atomically, the run record (``run.json``: run ID and
-output hashes) last, and drop the checkpoints. Nothing written contains a
+write every output atomically (weights, metrics, curves and the per-step
+trace that ``reprotrain compare`` reads), the run record (``run.json``: run
+ID and output hashes) last, and drop the checkpoints. Nothing written contains a
 time, a path, a host name or a logger version folder, so identical training
 gives identical bytes, resumed or not.
 """
@@ -48,6 +49,7 @@ from reprotrain.resume import (
     checkpoint_run_id,
     latest_checkpoint,
 )
+from reprotrain.trace import TraceCallback
 
 #: The params.yaml keys this stage reads; dvc.yaml lists exactly these.
 PARAMS = (
@@ -69,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", type=Path, required=True, help="environment record (env stage)")
     parser.add_argument("--run-record", type=Path, required=True, help="run.json to write")
     parser.add_argument("--checkpoints", type=Path, required=True, help="checkpoint folder")
+    parser.add_argument("--trace", type=Path, help="per-step trace to write (read by compare)")
     parser.add_argument("--dvc-lock", type=Path, help="verify --data against this dvc.lock")
 
 
@@ -81,9 +84,13 @@ def run(params: Params, args: argparse.Namespace) -> str:
     run_dir = args.checkpoints / identity
     resume_from = find_resume_point(run_dir, identity)
     data = load_prepared(args.data)
-    module, logger = fit(params, data, settings, run_dir, identity, resume_from)
+    tracer = TraceCallback(None, detail=params.train.trace) if args.trace else None
+    module, logger = fit(params, data, settings, run_dir, identity, resume_from, tracer=tracer)
 
     outputs = _write_outputs(args, params, data, settings, module, logger)
+    if tracer is not None:
+        tracer.write(args.trace)
+        outputs["trace"] = args.trace
     write_run_record(args.run_record, inputs, outputs)
     shutil.rmtree(run_dir, ignore_errors=True)
     resumed = f", resumed from {resume_from.name}" if resume_from else ""
@@ -131,6 +138,7 @@ def fit(
     identity: str | None = None,
     resume_from: Path | None = None,
     random_state: bool = True,
+    tracer: TraceCallback | None = None,
 ) -> tuple[Classifier, MemoryLogger]:
     """Build the model and data module from ``params`` and fit them with Lightning.
 
@@ -138,7 +146,8 @@ def fit(
     every ``train.checkpoint_every_n_epochs``-th epoch (the newest one kept),
     and ``resume_from`` continues from one. The random state rides along
     unless ``random_state=False``, which exists for the negative control
-    (resume then differs) and the overhead benchmark.
+    (resume then differs) and the overhead benchmark. A ``tracer`` records
+    per-step fingerprints (its rows are checkpointed too).
     """
     module = Classifier(params.model, params.train, data.input_shape, data.num_classes)
     datamodule = PreparedDataModule(
@@ -150,9 +159,11 @@ def fit(
     )
     logger = MemoryLogger()
     callbacks: list[L.Callback] = []
+    if tracer is not None:
+        callbacks.append(tracer)
     if checkpoint_dir is not None:
         generators = {"train_loader": datamodule.train_generator}
-        callbacks = [
+        callbacks += [
             RandomStateCallback(generators, run_id=identity, restore=random_state),
             CurveCheckpoint(logger),
             ModelCheckpoint(

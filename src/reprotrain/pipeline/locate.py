@@ -1,0 +1,65 @@
+"""``reprotrain locate``: name the module that makes the pipeline's training step differ.
+
+After ``reprotrain compare`` blames a kernel, this runs one training step of
+the pipeline's model twice on the same batch (the first ``data.batch_size``
+training samples, unaugmented) from the same parameters, under the params'
+determinism settings, and names the first module (path and type) whose
+forward output or gradient differs, using
+:func:`reprotrain.locate.locate_divergence`. With ``--deterministic false``
+it shows what the default kernels do; with ``true`` what the run would get.
+
+Exit codes: 0 both steps identical, 1 a module differs, 2 bad input,
+3 determinism cannot be configured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reprotrain.determinism import configure_determinism
+from reprotrain.locate import locate_divergence
+from reprotrain.pipeline.config import Params
+from reprotrain.pipeline.data import load_prepared
+from reprotrain.pipeline.model import Classifier
+from reprotrain.pipeline.stages import stage_arguments
+
+PARAMS = ("seed", "deterministic", "data.batch_size", "model", "train")
+EXIT_DIFFERENT = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, help="prepared dataset (default: the train stage's)")
+    parser.add_argument("--dvc-yaml", type=Path, default=Path("dvc.yaml"), help="pipeline file")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _training_step(module: Any, batch: Any) -> torch.Tensor:
+    with warnings.catch_warnings():  # self.log() outside a Trainer only warns
+        warnings.filterwarnings("ignore", message=r".*self\.log.*")
+        return module.training_step(batch, 0)
+
+
+def run(params: Params, args: argparse.Namespace) -> int:
+    configure_determinism(params.seed, params.deterministic)
+    data = load_prepared(args.data or stage_arguments("train", args.dvc_yaml).data)
+    device = torch.device("cuda" if params.train.accelerator == "gpu" else "cpu")
+    x, y = data.split("train")
+    batch = (x[: params.data.batch_size].to(device), y[: params.data.batch_size].to(device))
+
+    def make_module() -> Classifier:
+        module = Classifier(params.model, params.train, data.input_shape, data.num_classes)
+        return module.to(device)
+
+    result = locate_divergence(make_module, batch, _training_step, seed=params.seed)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), sort_keys=True))
+    else:
+        print(f"reprotrain locate: {result}")
+    return 0 if result.identical else EXIT_DIFFERENT

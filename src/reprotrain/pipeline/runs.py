@@ -1,0 +1,299 @@
+"""A training run's files, found in a folder or at a git revision, and two runs compared.
+
+A run is what the train stage writes: the weights, the per-step trace, the
+run record (``run.json``: run ID, inputs, output hashes) and the
+environment record it trained under. ``find_run`` accepts
+
+* a repository folder (it has a ``dvc.yaml``): the paths the train stage's
+  command line names there;
+* a flat folder, as ``reprotrain verify`` leaves them: ``model.safetensors``,
+  ``trace.safetensors``, ``run.json``, ``environment.json``;
+* a git revision of the current repository: the files as committed there,
+  the DVC-tracked ones read from the DVC cache (or remote) through
+  ``dvc.api``, so nothing in the working tree changes.
+
+``compare_runs`` says "identical" only when the weights and the traces are
+the same bytes; otherwise it explains with the library's comparisons (first
+diverging step and record, per-tensor weights, environment and run-input
+differences).
+
+``train_in_fresh_process`` runs the train stage's own command (as ``dvc.yaml``
+writes it) in a new interpreter writing a flat run folder, so the
+determinism flags and ``CUBLAS_WORKSPACE_CONFIG`` apply before CUDA starts;
+``verify`` and ``noise-floor`` both train that way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reprotrain.atomic import atomic_path
+from reprotrain.compare import (
+    ComparisonReport,
+    compare_environments,
+    compare_inputs,
+    compare_traces,
+    compare_weights,
+    plot_losses,
+)
+from reprotrain.hashing import load_safetensors, sha256_file
+from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.stages import stage_arguments
+from reprotrain.trace import Trace, load_trace
+
+#: File names in a flat run folder (what `reprotrain verify` writes per run).
+FLAT = {
+    "model": "model.safetensors",
+    "trace": "trace.safetensors",
+    "record": "run.json",
+    "environment": "environment.json",
+}
+#: The training metrics file in a flat run folder (final train loss and more).
+METRICS = "train_metrics.json"
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """Where one run's files are; ``None`` for a file the run does not have."""
+
+    label: str
+    model: Path
+    trace: Path | None = None
+    record: Path | None = None
+    environment: Path | None = None
+
+    def files(self) -> dict[str, Path]:
+        found = {"model": self.model, "trace": self.trace, "record": self.record}
+        return {name: path for name, path in found.items() if path is not None}
+
+
+def train_outputs(dvc_yaml: Path) -> dict[str, str]:
+    """The train stage's file paths, relative to the repository, as ``dvc_yaml`` names them."""
+    args = stage_arguments("train", dvc_yaml)
+    paths = {
+        "model": args.model,
+        "trace": args.trace,
+        "record": args.run_record,
+        "environment": args.env,
+    }
+    return {name: str(path) for name, path in paths.items() if path is not None}
+
+
+def _existing(path: Path) -> Path | None:
+    return path if path.is_file() else None
+
+
+def run_in_folder(folder: Path, label: str | None = None) -> RunFiles:
+    """The run in a repository folder or a flat run folder."""
+    repository = (folder / "dvc.yaml").is_file()
+    layout = train_outputs(folder / "dvc.yaml") if repository else FLAT
+    paths = {name: folder / rel for name, rel in layout.items()}
+    if not paths["model"].is_file():
+        raise DataError(
+            f"{paths['model']}: no trained model in {folder}; pass a run folder "
+            "(`reprotrain verify` keeps them), a repository after `dvc repro`, or a git revision"
+        )
+    return RunFiles(
+        label or str(folder),
+        paths["model"],
+        *(_existing(paths[name]) if name in paths else None for name in FLAT if name != "model"),
+    )
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, check=False)
+
+
+def is_revision(repo: Path, rev: str) -> bool:
+    return _git(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").returncode == 0
+
+
+def run_at_revision(repo: Path, rev: str, scratch: Path) -> RunFiles:
+    """Copy the run committed at ``rev`` into ``scratch`` (flat layout) and describe it."""
+    import dvc.api
+    from dvc.exceptions import DvcException
+
+    shown = _git(repo, "show", f"{rev}:dvc.yaml")
+    if shown.returncode != 0:
+        raise DataError(f"{rev}: no dvc.yaml at this revision of {repo}")
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / "dvc.yaml").write_bytes(shown.stdout)
+    layout = train_outputs(scratch / "dvc.yaml")
+    (scratch / "dvc.yaml").unlink()
+    found: dict[str, Path] = {}
+    for name, rel in layout.items():
+        dest = scratch / FLAT[name]
+        try:
+            with (
+                dvc.api.open(rel, repo=str(repo), rev=rev, mode="rb") as src,
+                atomic_path(dest) as tmp,
+            ):
+                tmp.write_bytes(src.read())
+        except (DvcException, FileNotFoundError) as err:
+            if name == "model":
+                raise DataError(
+                    f"{rel} at {rev}: cannot read it ({type(err).__name__}: {err}); "
+                    f"`dvc pull` that revision's outputs or rerun it with `dvc repro`"
+                ) from None
+            continue
+        found[name] = dest
+    return RunFiles(rev, found["model"], *(found.get(name) for name in FLAT if name != "model"))
+
+
+def find_run(spec: str, repo: Path, scratch: Path) -> RunFiles:
+    """A folder (repository or flat run folder) or else a git revision of ``repo``."""
+    if Path(spec).is_dir():
+        return run_in_folder(Path(spec), spec)
+    if is_revision(repo, spec):
+        return run_at_revision(repo, spec, scratch)
+    raise DataError(f"{spec}: neither a folder nor a git revision of {repo}")
+
+
+def _json(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path}: unreadable JSON ({err})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _trace(path: Path | None) -> Trace | None:
+    if path is None:
+        return None
+    try:
+        return load_trace(path)
+    except ValueError as err:
+        raise DataError(str(err)) from None
+
+
+@dataclass(frozen=True)
+class RunComparison:
+    """Two runs: identical bytes or not, and the library's report explaining the difference."""
+
+    a: RunFiles
+    b: RunFiles
+    hashes: dict[str, tuple[str, str]]
+    report: ComparisonReport
+    run_ids: tuple[str | None, str | None] = (None, None)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return bool(self.hashes) and all(a == b for a, b in self.hashes.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "a": self.a.label,
+            "b": self.b.label,
+            "identical": self.identical,
+            "run_ids": list(self.run_ids),
+            "sha256": {name: list(pair) for name, pair in self.hashes.items()},
+            "notes": self.notes,
+            **self.report.to_dict(),
+        }
+
+    def to_text(self) -> str:
+        lines = [f"a: {self.a.label}", f"b: {self.b.label}"]
+        if self.run_ids[0] or self.run_ids[1]:
+            same = "same run ID" if self.run_ids[0] == self.run_ids[1] else "different run IDs"
+            ids = " vs ".join(str(r)[:12] for r in self.run_ids)
+            lines.append(f"run IDs: {ids} ({same})")
+        lines += [f"note: {note}" for note in self.notes]
+        if self.identical:
+            compared = ", ".join(f"{name} {a[:12]}" for name, (a, _) in self.hashes.items())
+            lines.append(f"IDENTICAL: the same bits ({compared})")
+            return "\n".join(lines)
+        unequal = [name for name, (a, b) in self.hashes.items() if a != b]
+        lines.append(f"DIFFERENT: {', '.join(unequal)} differ")
+        lines.append(self.report.to_text())
+        return "\n".join(lines)
+
+
+def compare_runs(a: RunFiles, b: RunFiles, plot: Path | None = None) -> RunComparison:
+    """Compare two runs' bytes; load and explain only what differs."""
+    hashes = {"model": (sha256_file(a.model), sha256_file(b.model))}
+    notes = []
+    if a.trace and b.trace:
+        hashes["trace"] = (sha256_file(a.trace), sha256_file(b.trace))
+    elif a.trace or b.trace:
+        notes.append("only one run has a trace: no per-step comparison")
+    else:
+        notes.append("neither run has a trace: no per-step comparison")
+    record_a, record_b = _json(a.record), _json(b.record)
+    env_a, env_b = _json(a.environment), _json(b.environment)
+    trace_a, trace_b = _trace(a.trace), _trace(b.trace)
+    differ = any(x != y for x, y in hashes.values())
+    report = ComparisonReport(
+        trace=compare_traces(trace_a, trace_b) if trace_a and trace_b and differ else None,
+        weights=(
+            compare_weights(load_safetensors(a.model)[0], load_safetensors(b.model)[0])
+            if differ
+            else []
+        ),
+        environment=compare_environments(env_a, env_b) if env_a and env_b else [],
+        inputs=compare_inputs(record_a.get("inputs", {}), record_b.get("inputs", {})),
+    )
+    if plot is not None and trace_a and trace_b:
+        plot_losses(trace_a, trace_b, plot, labels=("a", "b"))
+    if (
+        report.weights
+        and all(d.equal for d in report.weights)
+        and hashes["model"][0] != hashes["model"][1]
+    ):
+        notes.append("the weights are the same bits; the model files differ in metadata only")
+    run_ids = (record_a.get("run_id"), record_b.get("run_id"))
+    return RunComparison(a, b, hashes, report, run_ids, notes)
+
+
+def ensure_prepared(data: Path, command: str) -> None:
+    """Run ``dvc repro prepare`` if the prepared data file is missing."""
+    if data.is_file():
+        return
+    print(f"reprotrain {command}: {data} missing; running `dvc repro prepare`", file=sys.stderr)
+    done = subprocess.run(["dvc", "repro", "prepare"], check=False)
+    if done.returncode != 0 or not data.is_file():
+        raise DataError(f"{data}: `dvc repro prepare` did not produce it; fix that stage first")
+
+
+def train_in_fresh_process(
+    train_args: argparse.Namespace,
+    folder: Path,
+    environment: Path,
+    overrides: list[str],
+    command: str,
+) -> Path:
+    """The train stage's command in a fresh process, writing a flat run folder ``folder``.
+
+    ``train_args`` are the stage's arguments from ``dvc.yaml`` (its data and
+    ``dvc.lock``); ``overrides`` are ``key=value`` params overrides.
+    """
+    if folder.exists():
+        shutil.rmtree(folder)
+    argv = [
+        *("--data", train_args.data, "--env", environment),
+        *("--model", folder / FLAT["model"], "--trace", folder / FLAT["trace"]),
+        *("--run-record", folder / FLAT["record"], "--metrics", folder / METRICS),
+        *("--plots", folder / "plots", "--checkpoints", folder / "checkpoints"),
+    ]
+    if train_args.dvc_lock is not None:
+        argv += ["--dvc-lock", train_args.dvc_lock]
+    for override in overrides:
+        argv += ["-S", override]
+    cmd = [sys.executable, "-m", "reprotrain", "train", *map(str, argv)]
+    print(f"reprotrain {command}: training {folder.name}", file=sys.stderr, flush=True)
+    # The run's own summary goes to stderr: stdout is for the command's result (and --json).
+    done = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, text=True)
+    print(done.stdout, file=sys.stderr, end="")
+    if done.returncode != 0:
+        raise DataError(f"training for {folder} failed (exit {done.returncode}); see above")
+    shutil.copy2(environment, folder / FLAT["environment"])
+    return folder

@@ -1,0 +1,147 @@
+"""``reprotrain verify``: rerun the train stage and prove the bits repeat.
+
+Runs the train stage's own command (from ``dvc.yaml``) ``--runs`` times, each
+in a fresh process writing to its own folder, against the same prepared data
+and a freshly captured environment record, then compares every run with the
+first: weights and per-step trace byte for byte. Exit 0 only if all are
+identical; otherwise 1 with ``reprotrain compare``'s explanation (first
+diverging step, record and diagnosis; weights table) and the run folders
+kept for a closer look. The prepared data comes from ``dvc repro prepare``
+(run first if it is missing).
+
+``--against REV`` compares a fresh run with the outputs committed at a git
+revision (read through DVC). That is only meaningful on the environment the
+revision was trained on: when the fresh environment record differs from the
+committed one in a field that voids the bitwise guarantee (GPU, torch,
+CUDA, CPU kernels...), verify says so and compares fresh reruns instead.
+
+Cost: ``runs`` trainings plus a few seconds (``benchmarks/verify_cost.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from reprotrain.atomic import atomic_write_text
+from reprotrain.compare import plot_losses
+from reprotrain.envdiff import compare_environments
+from reprotrain.hashing import canonical_json
+from reprotrain.pipeline.env import record_environment
+from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.run_record import load_environment
+from reprotrain.pipeline.runs import (
+    FLAT,
+    RunComparison,
+    RunFiles,
+    compare_runs,
+    ensure_prepared,
+    find_run,
+    run_in_folder,
+    train_in_fresh_process,
+)
+from reprotrain.pipeline.stages import stage_arguments
+from reprotrain.trace import load_trace
+
+PARAMS: tuple[str, ...] = ()
+EXIT_DIFFERENT = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runs", type=int, default=2, help="fresh training runs (>= 2)")
+    parser.add_argument("--against", metavar="REV", help="compare a fresh run with REV's outputs")
+    parser.add_argument("--dvc-yaml", type=Path, default=Path("dvc.yaml"), help="pipeline file")
+    parser.add_argument(
+        "--workdir", type=Path, help="keep the run folders here (default: a temporary folder)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the comparisons as JSON")
+    parser.add_argument(
+        "-S",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="params override for every run, e.g. -S train.accelerator=gpu",
+    )
+
+
+def run(_: object, args: argparse.Namespace) -> int:
+    if args.runs < 2 and not args.against:
+        raise DataError(f"--runs {args.runs}: verify needs at least 2 runs to compare")
+    train_args = stage_arguments("train", args.dvc_yaml)
+    ensure_prepared(train_args.data, "verify")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="reprotrain-verify-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    environment = workdir / FLAT["environment"]
+    record = record_environment(stage_arguments("env", args.dvc_yaml).lock)
+    atomic_write_text(environment, canonical_json(record))
+
+    runs = args.runs
+    reference = None
+    if args.against:
+        reference = _committed_run(args.against, workdir, record)
+        runs = 1 if reference is not None else max(runs, 2)
+    folders = [
+        train_in_fresh_process(
+            train_args, workdir / f"run-{i + 1}", environment, args.overrides, "verify"
+        )
+        for i in range(runs)
+    ]
+    fresh = [run_in_folder(folder, folder.name) for folder in folders]
+    first = reference or fresh[0]
+    results = [compare_runs(first, other) for other in (fresh[1:] if reference is None else fresh)]
+    for result in results:
+        if not result.identical and result.a.trace and result.b.trace:
+            plot = workdir / f"loss-{result.b.label}.png"
+            plot_losses(load_trace(result.a.trace), load_trace(result.b.trace), plot)
+            result.notes.append(f"loss plot: {plot}")
+    return _report(results, workdir, keep=args.workdir is not None, as_json=args.json)
+
+
+def _committed_run(rev: str, workdir: Path, record: dict[str, Any]) -> RunFiles | None:
+    """REV's run if its environment matches this one; else None, saying why."""
+    committed = find_run(rev, Path(), workdir / "against")
+    if committed.environment is None:
+        print(f"reprotrain verify: {rev} has no environment record; comparing fresh reruns")
+        return None
+    voiding = [
+        d for d in compare_environments(load_environment(committed.environment), record) if d.voids
+    ]
+    if voiding:
+        listed = "; ".join(d.to_text() for d in voiding)
+        print(
+            f"reprotrain verify: this environment differs from {rev}'s ({listed}): the bitwise "
+            "guarantee does not apply there, so comparing fresh reruns instead"
+        )
+        return None
+    return committed
+
+
+def _report(results: list[RunComparison], workdir: Path, keep: bool, as_json: bool) -> int:
+    identical = all(r.identical for r in results)
+    if as_json:
+        print(
+            canonical_json(
+                {
+                    "identical": identical,
+                    "workdir": str(workdir),
+                    "comparisons": [r.to_dict() for r in results],
+                }
+            ),
+            end="",
+        )
+    else:
+        for result in results:
+            print(result.to_text())
+    if identical and not keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    elif not as_json:
+        print(f"run folders kept in {workdir} (reprotrain compare A B explains any pair)")
+    if not as_json:
+        verdict = "IDENTICAL" if identical else "NOT REPRODUCIBLE"
+        print(f"reprotrain verify: {verdict} ({len(results) + 1} runs)")
+    return 0 if identical else EXIT_DIFFERENT

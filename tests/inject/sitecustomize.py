@@ -1,0 +1,51 @@
+"""Test-only fault injection: Python imports this at start-up when ``tests/inject`` is on
+PYTHONPATH, in every process a test starts (``reprotrain`` and the trainings it spawns).
+
+With ``REPROTRAIN_TEST_NOISE_FROM_STEP=k`` the pipeline's network gets one extra layer,
+``NoisyGrad``, after its first Linear layer: an identity in the forward pass whose backward
+pass adds noise from an unseeded generator from its k-th training call on. That is a
+stand-in for a non-deterministic backward kernel, which verify, compare and locate must find.
+"""
+
+from __future__ import annotations
+
+import os
+
+FROM_STEP = os.environ.get("REPROTRAIN_TEST_NOISE_FROM_STEP")
+
+if FROM_STEP is not None:
+    import torch
+    from torch import nn
+
+    import reprotrain.pipeline.model as pipeline_model
+
+    class _Noise(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+            unseeded = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+            return grad + 1e-4 * torch.randn(grad.shape, generator=unseeded).to(grad)
+
+    class NoisyGrad(nn.Module):
+        def __init__(self, from_step: int) -> None:
+            super().__init__()
+            self.from_step, self.calls = from_step, 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.training:
+                return x
+            self.calls += 1
+            return _Noise.apply(x) if self.calls > self.from_step else x
+
+    original = pipeline_model.build_network
+
+    def build_network(*args: object, **kwargs: object) -> nn.Module:
+        layers = list(original(*args, **kwargs))
+        first_linear = next(i for i, m in enumerate(layers) if isinstance(m, nn.Linear))
+        layers.insert(first_linear + 1, NoisyGrad(int(FROM_STEP)))
+        return nn.Sequential(*layers)
+
+    pipeline_model.build_network = build_network

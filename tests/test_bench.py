@@ -1,0 +1,71 @@
+"""`reprotrain bench`: paired step times per mode, and the cost figures computed from them."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from reprotrain.pipeline.bench import effect_pct
+from tests.helpers import ROOT, run_cli, run_in_process
+
+
+def test_bench_runs_both_workloads_and_its_cost_matches_its_step_times(
+    prepared: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench.json"
+    result = run_cli(
+        "bench",
+        *("--params", ROOT / "params.yaml", "--data", prepared, "--device", "cpu"),
+        *("--steps", "2", "--warmup", "1", "--repeats", "3"),
+        *("--batch-size", "4", "--image-size", "16", "--width", "4", "--out", out),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 paired repeats x (1 warm-up + 2 timed steps)" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["torch"].startswith("2.")
+    assert "not applicable on the CPU" in report["autotune_note"]
+    assert report["workloads"]["conv"]["size"]["image_size"] == 16
+    for workload in report["workloads"].values():
+        modes = workload["modes"]
+        assert set(modes) == {"deterministic", "default", "default_no_autotune"}
+        for figures in modes.values():
+            assert len(figures["step_times_s"]) == 3 and min(figures["step_times_s"]) > 0
+            assert figures["median_step_s"] == statistics.median(figures["step_times_s"])
+        det, default = modes["deterministic"]["median_step_s"], modes["default"]["median_step_s"]
+        cost = workload["determinism_cost"]
+        assert cost["pct"] == pytest.approx(100 * (det / default - 1), rel=1e-12)
+        ratios = [
+            a / b
+            for a, b in zip(
+                modes["deterministic"]["step_times_s"],
+                modes["default"]["step_times_s"],
+                strict=True,
+            )
+        ]
+        assert cost["paired_ratios"] == pytest.approx(ratios)
+        low, high = cost["ci95"]
+        assert low <= high
+        autotune = workload["autotune_effect"]
+        no_tune = modes["default_no_autotune"]["median_step_s"]
+        assert autotune["pct"] == pytest.approx(100 * (default / no_tune - 1), rel=1e-12)
+
+
+def test_effect_interval_is_seeded_and_exact_for_constant_pairs() -> None:
+    same = effect_pct([2.0] * 5, [1.0] * 5, seed=0)
+    assert same["pct"] == 100.0 and same["ci95"] == [100.0, 100.0]
+    noisy = ([1.1, 1.3, 0.9, 1.2, 1.0], [1.0, 1.0, 1.1, 0.9, 1.0])
+    assert effect_pct(*noisy, seed=3) == effect_pct(*noisy, seed=3)
+
+
+def test_bench_refuses_a_missing_cuda_device_or_too_few_repeats() -> None:
+    params = ("--params", ROOT / "params.yaml")
+    few = run_in_process("bench", *params, "--repeats", "1")
+    assert few.returncode == 2 and "--repeats must be >= 2" in few.stderr
+    if not torch.cuda.is_available():
+        cuda = run_in_process("bench", *params, "--device", "cuda")
+        assert cuda.returncode == 2 and "no CUDA device" in cuda.stderr

@@ -1,0 +1,125 @@
+"""`reprotrain verify`, `compare` and `locate` end to end, in fresh processes.
+
+The non-deterministic runs come from tests/inject/sitecustomize.py: a layer whose backward
+pass adds unseeded noise from step k on, loaded into every process the test starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import ROOT, commit_all, run_cli
+
+INJECT = str(ROOT / "tests" / "inject")
+
+
+def _shorten(repo: Path, **train: object) -> None:
+    """Fewer epochs (and any other train.* values) in the copy's params.yaml."""
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"].update({"max_epochs": 1, **train})
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def test_verify_reruns_and_finds_them_identical(repo_copy: Path, tmp_path: Path) -> None:
+    _shorten(repo_copy)
+    result = run_cli("verify", "--runs", "3", "--workdir", tmp_path / "w", cwd=repo_copy)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "IDENTICAL (3 runs)" in result.stdout
+    assert result.stdout.count("IDENTICAL: the same bits") == 2
+
+
+def test_verify_names_the_step_and_record_of_injected_noise(
+    repo_copy: Path, tmp_path: Path
+) -> None:
+    _shorten(repo_copy, trace="full")
+    work = tmp_path / "w"
+    result = run_cli(
+        "verify",
+        *("--workdir", work, "--json"),
+        cwd=repo_copy,
+        PYTHONPATH=INJECT,
+        REPROTRAIN_TEST_NOISE_FROM_STEP="5",
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["identical"] is False
+    trace = report["comparisons"][0]["trace"]
+    assert (trace["first_step"], trace["record"]) == (5, "grads")
+    assert "backward" in trace["diagnosis"] and trace["tensor"] == "net.0.weight"
+    assert (work / "loss-run-2.png").read_bytes().startswith(b"\x89PNG")
+
+    # compare on the kept folders says the same, in words.
+    text = run_cli("compare", work / "run-1", work / "run-2", cwd=repo_copy)
+    assert text.returncode == 1
+    assert "traces diverge at step 5 (row 5): grads differs first" in text.stdout
+    assert "non-deterministic kernel in the backward pass" in text.stdout
+
+
+def test_verify_against_a_revision_with_another_environment_reruns_instead(
+    repo_copy: Path, tmp_path: Path
+) -> None:
+    _shorten(repo_copy)
+    env_file = repo_copy / "reports/environment.json"
+    env = json.loads(env_file.read_text())
+    env["torch"]["version"] = "0.0.0-elsewhere"
+    env_file.write_text(json.dumps(env))
+    commit_all(repo_copy, "an environment recorded elsewhere")
+    result = run_cli("verify", "--against", "HEAD", cwd=repo_copy)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "the bitwise guarantee does not apply there" in result.stdout
+    assert "torch.version" in result.stdout and "IDENTICAL (2 runs)" in result.stdout
+
+
+def test_verify_against_the_committed_run_reproduces_it(repo_copy: Path) -> None:
+    result = run_cli("verify", "--against", "HEAD", cwd=repo_copy)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "a: HEAD" in result.stdout and "same run ID" in result.stdout
+    assert "IDENTICAL: the same bits" in result.stdout
+
+
+def test_compare_revisions_reads_dvc_outputs_and_explains_params(repo_copy: Path) -> None:
+    same = run_cli("compare", "HEAD", repo_copy, "--json", cwd=repo_copy)
+    assert same.returncode == 0, same.stderr
+    assert json.loads(same.stdout)["identical"] is True
+    missing = run_cli("compare", "HEAD", "no-such-rev", cwd=repo_copy)
+    assert missing.returncode == 2
+    assert "no-such-rev: neither a folder nor a git revision" in missing.stderr
+
+
+@pytest.mark.parametrize("noise", [True, False])
+def test_locate_names_the_injected_layer_and_nothing_without_it(
+    noise: bool, prepared: Path
+) -> None:
+    inject = {"PYTHONPATH": INJECT, "REPROTRAIN_TEST_NOISE_FROM_STEP": "0"} if noise else {}
+    result = run_cli(
+        "locate", "--params", ROOT / "params.yaml", "--data", prepared, cwd=ROOT, **inject
+    )
+    if noise:
+        assert result.returncode == 1, result.stderr
+        assert "backward differs first at net.8 (NoisyGrad)" in result.stdout
+    else:
+        assert result.returncode == 0, result.stderr
+        assert "identical" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_twin_two_fresh_gpu_trainings_give_identical_bits(
+    repo_copy: Path, tmp_path: Path
+) -> None:
+    # Fresh processes, so the determinism flags and CUBLAS_WORKSPACE_CONFIG are in force
+    # before CUDA starts; the CPU test is tests/test_train.py's same-seed test.
+    result = run_cli(
+        "verify",
+        *("-S", "train.accelerator=gpu", "-S", "train.max_epochs=1"),
+        *("--workdir", tmp_path / "w"),
+        cwd=repo_copy,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "IDENTICAL (2 runs)" in result.stdout
+    assert "IDENTICAL: the same bits" in result.stdout
