@@ -11,10 +11,17 @@ STAMP := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: help venv repro test test-gpu verify lint format lock bench ops clean
+# The container (Dockerfile): `make image`, then `make docker-repro`. BASE_IMAGE empty
+# keeps the Dockerfile's digest-pinned default.
+DOCKER ?= docker
+IMAGE ?= reprotrain:latest
+BASE_IMAGE ?=
+
+.PHONY: help venv repro test test-gpu test-container verify lint format lock bench ops clean \
+	image docker-repro
 
 help: ## List the targets
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-8s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(STAMP): $(LOCK) pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,7 +38,7 @@ venv: $(STAMP) ## Create .venv from the lock (only what is missing or stale)
 repro: venv ## Run the pipeline (dvc repro) on the embedded default data
 	$(BIN)/dvc repro
 
-test: venv lint ## Lint, then run the test suite
+test: venv lint ## Lint, then run the test suite (not the container build)
 	$(BIN)/pytest
 
 test-gpu: venv ## Run the GPU tests (marked `gpu`; they skip without CUDA)
@@ -39,6 +46,11 @@ test-gpu: venv ## Run the GPU tests (marked `gpu`; they skip without CUDA)
 
 verify: venv ## Rerun training twice in fresh processes; fail unless the bits are identical
 	$(BIN)/reprotrain verify
+
+test-container: venv ## Build the image on a stand-in base, run the pipeline in it twice, compare bits
+	@$(DOCKER) info >/dev/null 2>&1 || { echo "make test-container: no Docker engine answers" \
+		"('$(DOCKER) info' fails); start dockerd (CI: .ci/run does)"; exit 1; }
+	$(BIN)/pytest -m container
 
 lint: venv ## ruff check and format check
 	$(BIN)/ruff check src tests benchmarks
@@ -63,6 +75,19 @@ bench: venv ## Overhead of our train stage vs a bare Lightning loop
 
 ops: venv ## Probe the non-deterministic op catalog on this machine's CPU into docs/cpu/
 	$(BIN)/reprotrain ops --device cpu --out-md docs/cpu/ops.md --out-json docs/cpu/ops.json
+
+image: ## Build the container image, tag it $(IMAGE), print its ID
+	$(DOCKER) build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
+	@$(DOCKER) image inspect --format '{{.Id}}' $(IMAGE)
+
+# --user: outputs belong to the caller (the image needs no passwd entry for it);
+# REPROTRAIN_IMAGE_ID: the image cannot know its own ID, the environment record should.
+docker-repro: ## dvc repro in the image on this repository (--gpus all when nvidia-smi -L works)
+	@image_id=$$($(DOCKER) image inspect --format '{{.Id}}' $(IMAGE) 2>/dev/null) \
+		|| { echo "make docker-repro: no image $(IMAGE); run 'make image' first"; exit 1; }; \
+	gpus=$$(nvidia-smi -L >/dev/null 2>&1 && echo "--gpus all"); \
+	set -x; $(DOCKER) run --rm $$gpus --user "$$(id -u):$$(id -g)" \
+		-e REPROTRAIN_IMAGE_ID="$$image_id" -v "$(CURDIR):/workspace" $(IMAGE)
 
 clean: ## Remove the venv and DVC outputs (not the DVC cache)
 	rm -rf $(VENV) data/prepared models reports

@@ -17,7 +17,7 @@ from reprotrain.environment import (
     git_state,
     lock_status,
 )
-from reprotrain.hashing import canonical_json
+from reprotrain.hashing import canonical_json, sha256_file
 from tests.helpers import ROOT, cli_env, commit_all, run_checked, run_cli
 
 LOCK = ROOT / "requirements-cpu.lock"
@@ -119,3 +119,55 @@ def test_env_stage_is_fast_because_it_never_imports_torch() -> None:
         [os.sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def test_outside_a_container_the_record_says_no_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REPROTRAIN_BASE_IMAGE", raising=False)
+    monkeypatch.delenv("REPROTRAIN_IMAGE_ID", raising=False)
+    assert capture_environment(None)["container"] == {"base_image": "none", "image_id": "none"}
+
+
+def test_inside_the_image_the_record_carries_its_digest_and_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    outside = capture_environment(LOCK)
+    base = "python:3.11-slim-bookworm@sha256:" + "0b" * 32
+    image_id = "sha256:" + "1f" * 32
+    monkeypatch.setenv("REPROTRAIN_BASE_IMAGE", base)
+    monkeypatch.setenv("REPROTRAIN_IMAGE_ID", image_id)
+    inside = capture_environment(LOCK)
+    assert inside["container"] == {"base_image": base, "image_id": image_id}
+    assert environment_fingerprint(inside) != environment_fingerprint(outside)
+
+
+def _env_stage(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    out = tmp_path / "environment.json"
+    result = run_cli("env", "--out", out, cwd=ROOT, **env)
+    return result, (json.loads(out.read_text()) if out.is_file() else {})
+
+
+def test_env_stage_checks_the_cpu_lock_by_default(tmp_path: Path) -> None:
+    result, record = _env_stage(tmp_path, REPROTRAIN_LOCK="")
+    assert result.returncode == 0, result.stderr
+    assert record["lock"]["file"] == "requirements-cpu.lock"
+    assert record["lock"]["exact"] is True
+
+
+def test_env_stage_checks_the_lock_named_by_reprotrain_lock(tmp_path: Path) -> None:
+    # The container's lock (CUDA torch) on this CPU venv: the variable really switches
+    # the lock, and the drift that `train` would refuse shows up.
+    result, record = _env_stage(tmp_path, REPROTRAIN_LOCK="requirements.lock")
+    assert result.returncode == 0, result.stderr
+    assert record["lock"]["file"] == "requirements.lock"
+    assert record["lock"]["sha256"] == sha256_file(ROOT / "requirements.lock")
+    drifted = {d["package"]: d for d in record["lock"]["drift"]}
+    assert drifted["torch"] == {"package": "torch", "locked": "2.13.0", "installed": "2.13.0+cpu"}
+    assert "drift" in result.stdout
+
+
+def test_env_stage_names_a_missing_lock_and_the_variable(tmp_path: Path) -> None:
+    result, record = _env_stage(tmp_path, REPROTRAIN_LOCK="no-such.lock")
+    assert result.returncode == 2
+    assert "no-such.lock: lock file not found" in result.stderr
+    assert "REPROTRAIN_LOCK" in result.stderr
+    assert record == {}

@@ -110,6 +110,16 @@ def test_the_two_locks_pin_the_same_versions_of_what_they_share() -> None:
     assert not differ
 
 
+def test_env_stage_leaves_the_lock_to_reprotrain_lock_and_every_lock_is_a_dep() -> None:
+    # The container sets REPROTRAIN_LOCK=requirements.lock; a --lock in dvc.yaml would
+    # override it and make `train` refuse the container's (CUDA) install as drift.
+    stages = _dvc_stages()
+    assert "--lock" not in stages["env"]["cmd"]
+    for stage in STAGES:
+        locks = {dep for dep in stages[stage]["deps"] if dep.endswith(".lock")}
+        assert locks == {"requirements-cpu.lock", "requirements.lock"}, stage
+
+
 def test_workflow_actions_are_pinned_by_sha_with_read_only_permissions() -> None:
     workflows = sorted((ROOT / ".github/workflows").glob("*.yml"))
     assert workflows

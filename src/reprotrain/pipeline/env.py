@@ -6,6 +6,12 @@ change exactly when the environment does (see :mod:`reprotrain.environment`),
 so DVC retrains after a GPU, driver, torch or lock change and keeps its cache
 otherwise. Without ``--out`` the record is printed, with the git state added;
 ``--diff A B`` explains how two records differ.
+
+The lock the installed packages must match is ``--lock``, else the file named
+by ``REPROTRAIN_LOCK``, else ``requirements-cpu.lock`` (relative to the working
+directory, the repository root under DVC). The container image sets
+``REPROTRAIN_LOCK=requirements.lock``: the same ``dvc.yaml`` then checks each
+install against its own lock, and ``train`` refuses drift from that one.
 """
 
 from __future__ import annotations
@@ -27,11 +33,19 @@ from reprotrain.pipeline.errors import DataError
 PARAMS: tuple[str, ...] = ()
 #: Installed but never in a lock: this project itself (an editable install).
 NOT_LOCKED = ("reprotrain",)
+#: Names the lock when ``--lock`` is not given; the Dockerfile sets it.
+LOCK_VARIABLE = "REPROTRAIN_LOCK"
+DEFAULT_LOCK = Path("requirements-cpu.lock")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--lock", type=Path, help="requirements lock the install should match")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument(
+        "--lock",
+        type=Path,
+        help=f"requirements lock the install should match (default: ${LOCK_VARIABLE}, "
+        f"else {DEFAULT_LOCK})",
+    )
     what.add_argument(
         "--diff",
         nargs=2,
@@ -42,10 +56,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="write the record here (default: print it)")
 
 
-def record_environment(lock: Path) -> dict[str, Any]:
+def selected_lock(lock: Path | None = None) -> Path:
+    """``lock`` if given, else ``$REPROTRAIN_LOCK``, else ``requirements-cpu.lock``."""
+    if lock is not None:
+        return lock
+    return Path(os.environ.get(LOCK_VARIABLE) or DEFAULT_LOCK)
+
+
+def record_environment(lock: Path | None = None) -> dict[str, Any]:
     """The record as the stages will see it; ``fingerprint`` captures it the same way."""
+    given = lock is not None
+    lock = selected_lock(lock)
     if not lock.is_file():
-        raise DataError(f"{lock}: lock file not found; pass the lock this venv was built from")
+        origin = "--lock" if given else f"${LOCK_VARIABLE} or the default"
+        raise DataError(
+            f"{lock}: lock file not found (from {origin}); run from the repository root, or "
+            f"pass --lock / set {LOCK_VARIABLE} to the lock this install was built from"
+        )
     # configure_determinism sets this default in the training process; record it as in force.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
     return capture_environment(lock, ignore_packages=NOT_LOCKED)

@@ -35,13 +35,12 @@ from reprotrain.compare import compare_traces
 from reprotrain.hashing import canonical_json, load_safetensors
 from reprotrain.pipeline.env import record_environment
 from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.reruns import ensure_prepared, train_fresh
 from reprotrain.pipeline.runs import (
     FLAT,
     METRICS,
     compare_runs,
-    ensure_prepared,
     run_in_folder,
-    train_in_fresh_process,
 )
 from reprotrain.pipeline.stages import stage_arguments
 from reprotrain.trace import load_trace
@@ -87,12 +86,8 @@ def run(_: object, args: argparse.Namespace) -> int:
     modes: dict[str, Any] = {}
     for name, value in MODES.items():
         overrides = [*args.overrides, f"deterministic={value}"]
-        folders = [
-            train_in_fresh_process(
-                train_args, workdir / f"{name}-{i + 1}", environment, overrides, "noise-floor"
-            )
-            for i in range(args.runs)
-        ]
+        folders = [workdir / f"{name}-{i + 1}" for i in range(args.runs)]
+        train_fresh(train_args, folders, environment, overrides, "noise-floor", jobs=1)
         modes[name] = measure_mode(folders, value)
     report = {
         "runs_per_mode": args.runs,

@@ -17,19 +17,13 @@ the same bytes; otherwise it explains with the library's comparisons (first
 diverging step and record, per-tensor weights, environment and run-input
 differences).
 
-``train_in_fresh_process`` runs the train stage's own command (as ``dvc.yaml``
-writes it) in a new interpreter writing a flat run folder, so the
-determinism flags and ``CUBLAS_WORKSPACE_CONFIG`` apply before CUDA starts;
-``verify`` and ``noise-floor`` both train that way.
+Fresh runs to compare come from :mod:`reprotrain.pipeline.reruns`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -252,48 +246,3 @@ def compare_runs(a: RunFiles, b: RunFiles, plot: Path | None = None) -> RunCompa
         notes.append("the weights are the same bits; the model files differ in metadata only")
     run_ids = (record_a.get("run_id"), record_b.get("run_id"))
     return RunComparison(a, b, hashes, report, run_ids, notes)
-
-
-def ensure_prepared(data: Path, command: str) -> None:
-    """Run ``dvc repro prepare`` if the prepared data file is missing."""
-    if data.is_file():
-        return
-    print(f"reprotrain {command}: {data} missing; running `dvc repro prepare`", file=sys.stderr)
-    done = subprocess.run(["dvc", "repro", "prepare"], check=False)
-    if done.returncode != 0 or not data.is_file():
-        raise DataError(f"{data}: `dvc repro prepare` did not produce it; fix that stage first")
-
-
-def train_in_fresh_process(
-    train_args: argparse.Namespace,
-    folder: Path,
-    environment: Path,
-    overrides: list[str],
-    command: str,
-) -> Path:
-    """The train stage's command in a fresh process, writing a flat run folder ``folder``.
-
-    ``train_args`` are the stage's arguments from ``dvc.yaml`` (its data and
-    ``dvc.lock``); ``overrides`` are ``key=value`` params overrides.
-    """
-    if folder.exists():
-        shutil.rmtree(folder)
-    argv = [
-        *("--data", train_args.data, "--env", environment),
-        *("--model", folder / FLAT["model"], "--trace", folder / FLAT["trace"]),
-        *("--run-record", folder / FLAT["record"], "--metrics", folder / METRICS),
-        *("--plots", folder / "plots", "--checkpoints", folder / "checkpoints"),
-    ]
-    if train_args.dvc_lock is not None:
-        argv += ["--dvc-lock", train_args.dvc_lock]
-    for override in overrides:
-        argv += ["-S", override]
-    cmd = [sys.executable, "-m", "reprotrain", "train", *map(str, argv)]
-    print(f"reprotrain {command}: training {folder.name}", file=sys.stderr, flush=True)
-    # The run's own summary goes to stderr: stdout is for the command's result (and --json).
-    done = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, text=True)
-    print(done.stdout, file=sys.stderr, end="")
-    if done.returncode != 0:
-        raise DataError(f"training for {folder} failed (exit {done.returncode}); see above")
-    shutil.copy2(environment, folder / FLAT["environment"])
-    return folder

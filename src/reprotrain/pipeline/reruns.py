@@ -1,0 +1,82 @@
+"""Train the pipeline again in fresh processes, for ``verify`` and ``noise-floor``.
+
+Each run is the train stage's own command (as ``dvc.yaml`` writes it) in a
+new interpreter writing a flat run folder (see
+:mod:`reprotrain.pipeline.runs`), so the determinism flags and
+``CUBLAS_WORKSPACE_CONFIG`` apply before CUDA starts, exactly as under
+``dvc repro``. Runs go ``jobs`` at a time: the bits must not depend on what
+else the machine does, and side by side the processes overlap their
+start-up and single-threaded phases (``benchmarks/verify_cost.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.runs import FLAT, METRICS
+
+
+def ensure_prepared(data: Path, command: str) -> None:
+    """Run ``dvc repro prepare`` if the prepared data file is missing."""
+    if data.is_file():
+        return
+    print(f"reprotrain {command}: {data} missing; running `dvc repro prepare`", file=sys.stderr)
+    done = subprocess.run(["dvc", "repro", "prepare"], check=False)
+    if done.returncode != 0 or not data.is_file():
+        raise DataError(f"{data}: `dvc repro prepare` did not produce it; fix that stage first")
+
+
+def _train_command(
+    train_args: argparse.Namespace, folder: Path, environment: Path, overrides: list[str]
+) -> list[str]:
+    argv = [
+        *("--data", train_args.data, "--env", environment),
+        *("--model", folder / FLAT["model"], "--trace", folder / FLAT["trace"]),
+        *("--run-record", folder / FLAT["record"], "--metrics", folder / METRICS),
+        *("--plots", folder / "plots", "--checkpoints", folder / "checkpoints"),
+    ]
+    if train_args.dvc_lock is not None:
+        argv += ["--dvc-lock", train_args.dvc_lock]
+    for override in overrides:
+        argv += ["-S", override]
+    return [sys.executable, "-m", "reprotrain", "train", *map(str, argv)]
+
+
+def train_fresh(
+    train_args: argparse.Namespace,
+    folders: list[Path],
+    environment: Path,
+    overrides: list[str],
+    command: str,
+    jobs: int = 2,
+) -> list[Path]:
+    """Train once into each of ``folders``, ``jobs`` fresh processes at a time.
+
+    ``train_args`` are the stage's arguments from ``dvc.yaml`` (its data and
+    ``dvc.lock``); ``overrides`` are ``key=value`` params overrides.
+    """
+    jobs = max(1, jobs)
+    for start in range(0, len(folders), jobs):
+        batch = folders[start : start + jobs]
+        running = []
+        for folder in batch:
+            if folder.exists():
+                shutil.rmtree(folder)
+            print(f"reprotrain {command}: training {folder.name}", file=sys.stderr, flush=True)
+            argv = _train_command(train_args, folder, environment, overrides)
+            # A run's summary goes to stderr: stdout is for the command's result (and --json).
+            running.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+        outputs = [process.communicate()[0] for process in running]
+        for folder, process, output in zip(batch, running, outputs, strict=True):
+            print(output, file=sys.stderr, end="")
+            if process.returncode != 0:
+                raise DataError(
+                    f"training for {folder} failed (exit {process.returncode}); see above"
+                )
+            shutil.copy2(environment, folder / FLAT["environment"])
+    return folders
