@@ -18,7 +18,7 @@ IMAGE ?= reprotrain:latest
 BASE_IMAGE ?=
 
 .PHONY: help venv repro test test-gpu test-container verify lint format lock bench ops clean \
-	image docker-repro
+	image docker-repro docker-verify
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -38,8 +38,12 @@ venv: $(STAMP) ## Create .venv from the lock (only what is missing or stale)
 repro: venv ## Run the pipeline (dvc repro) on the embedded default data
 	$(BIN)/dvc repro
 
+# Test files run in parallel (pytest-xdist), one file per worker at a time, so module
+# fixtures (a training run shared by a file's tests) are built once.
+PYTEST_PARALLEL ?= -n auto --dist loadfile
+
 test: venv lint ## Lint, then run the test suite (not the container build)
-	$(BIN)/pytest
+	$(BIN)/pytest $(PYTEST_PARALLEL)
 
 test-gpu: venv ## Run the GPU tests (marked `gpu`; they skip without CUDA)
 	$(BIN)/pytest -m gpu
@@ -82,12 +86,20 @@ image: ## Build the container image, tag it $(IMAGE), print its ID
 
 # --user: outputs belong to the caller (the image needs no passwd entry for it);
 # REPROTRAIN_IMAGE_ID: the image cannot know its own ID, the environment record should.
-docker-repro: ## dvc repro in the image on this repository (--gpus all when nvidia-smi -L works)
+# $(1): the command run in the image (empty: its default, `dvc repro`).
+define docker_run
 	@image_id=$$($(DOCKER) image inspect --format '{{.Id}}' $(IMAGE) 2>/dev/null) \
-		|| { echo "make docker-repro: no image $(IMAGE); run 'make image' first"; exit 1; }; \
+		|| { echo "make $@: no image $(IMAGE); run 'make image' first"; exit 1; }; \
 	gpus=$$(nvidia-smi -L >/dev/null 2>&1 && echo "--gpus all"); \
 	set -x; $(DOCKER) run --rm $$gpus --user "$$(id -u):$$(id -g)" \
-		-e REPROTRAIN_IMAGE_ID="$$image_id" -v "$(CURDIR):/workspace" $(IMAGE)
+		-e REPROTRAIN_IMAGE_ID="$$image_id" -v "$(CURDIR):/workspace" $(IMAGE) $(1)
+endef
+
+docker-repro: ## dvc repro in the image on this repository (--gpus all when nvidia-smi -L works)
+	$(call docker_run,)
+
+docker-verify: ## reprotrain verify $(VERIFY_ARGS) in the image on this repository (GPU as above)
+	$(call docker_run,reprotrain verify $(VERIFY_ARGS))
 
 clean: ## Remove the venv and DVC outputs (not the DVC cache)
 	rm -rf $(VENV) data/prepared models reports

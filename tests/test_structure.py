@@ -133,3 +133,17 @@ def test_workflow_actions_are_pinned_by_sha_with_read_only_permissions() -> None
         assert spec["permissions"] == {"contents": "read"}, path
         for name, job in spec["jobs"].items():
             assert "write" not in str(job.get("permissions", "")), f"{path}: job {name}"
+
+
+@pytest.mark.parametrize("stage", ("env", *STAGES))
+def test_stage_commands_read_without_import_match_the_stage_parser(stage: str) -> None:
+    import argparse
+
+    from reprotrain.pipeline.stages import stage_arguments, stage_command
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    importlib.import_module(f"reprotrain.pipeline.{stage}").add_arguments(parser)
+    strict = parser.parse_args(stage_command(stage, ROOT / "dvc.yaml")[2:])
+    light = stage_arguments(stage, ROOT / "dvc.yaml")
+    for name, value in vars(strict).items():
+        assert getattr(light, name) == value, f"{stage}: --{name}"

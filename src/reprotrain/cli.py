@@ -121,7 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     from reprotrain.pipeline.config import ConfigError, load_params, render_defaults
     from reprotrain.pipeline.errors import DataError
     from reprotrain.provenance import ChecksumError
-    from reprotrain.resume import CheckpointError
+
+    def bad_input() -> tuple[type[Exception], ...]:
+        # Evaluated when an exception is matched. reprotrain.resume imports Lightning
+        # (seconds); a CheckpointError can only come from a command that imported it.
+        resume = sys.modules.get("reprotrain.resume")
+        extra = (resume.CheckpointError,) if resume is not None else ()
+        return (ConfigError, DataError, ChecksumError, *extra)
 
     try:
         if args.command == "params":
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             return result
         print(f"reprotrain {args.command}: {result}")
         return 0
-    except (ConfigError, DataError, ChecksumError, CheckpointError) as err:
+    except bad_input() as err:
         print(f"reprotrain: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except DeterminismError as err:

@@ -20,7 +20,7 @@ first parameter tensor (or RNG source) that differs.
 ``compare_weights`` compares two state dicts tensor by tensor;
 ``compare_environments`` (from :mod:`reprotrain.envdiff`) lists environment
 fields that differ and whether each voids the bitwise guarantee;
-``compare_inputs`` lists the run inputs (params, data and code hashes...)
+``compare_inputs`` (also from there) lists the run inputs (params, data and code hashes...)
 that differ, which is why two run IDs differ. ``ComparisonReport`` renders
 them all as text or as a JSON-ready dict.
 """
@@ -37,7 +37,12 @@ import numpy as np
 import torch
 
 from reprotrain.atomic import atomic_path
-from reprotrain.envdiff import EnvDiff, compare_environments, flatten_record
+from reprotrain.envdiff import (
+    EnvDiff,
+    InputDiff,
+    compare_environments,
+    compare_inputs,
+)
 from reprotrain.trace import RECORDS, Trace
 
 __all__ = [
@@ -253,31 +258,6 @@ def _json_safe(row: dict[str, Any]) -> dict[str, Any]:
     return {
         k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()
     }
-
-
-@dataclass(frozen=True)
-class InputDiff:
-    """One run input (dotted key) with different values; ``None`` where a run lacks it."""
-
-    key: str
-    a: Any
-    b: Any
-
-    def to_text(self) -> str:
-        return f"{self.key}: {self.a!r} -> {self.b!r}"
-
-
-def compare_inputs(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[InputDiff]:
-    """The inputs that differ between two runs' input records (e.g. run.json ``inputs``)."""
-    flat_a, flat_b = flatten_record(a), flatten_record(b)
-    return [
-        InputDiff(key, flat_a.get(key), flat_b.get(key))
-        for key in sorted(set(flat_a) | set(flat_b))
-        if flat_a.get(key, _MISSING) != flat_b.get(key, _MISSING)
-    ]
-
-
-_MISSING = object()
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,10 @@ thread counts and determinism flags: those differences "void" the guarantee.
 Others "may matter" (Python, numpy, driver, OS, the installed set) or are
 provenance only. The verdict comes from the small rule table ``ENV_RULES``,
 matched on whole words of the dotted key, first match wins; extend it there.
-No torch import: ``reprotrain env --diff`` and the checklist stay fast.
+``compare_inputs`` does the same for two runs' input records (run.json
+``inputs``): the keys that differ are why two run IDs differ.
+No torch import: ``reprotrain env --diff``, the checklist and a verify whose
+runs are identical stay fast.
 """
 
 from __future__ import annotations
@@ -97,3 +100,25 @@ def compare_environments(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Env
             va, vb = (None if v is _ABSENT else v for v in (va, vb))
             out.append(EnvDiff(key, va, vb, verdict, why))
     return out
+
+
+@dataclass(frozen=True)
+class InputDiff:
+    """One run input (dotted key) with different values; ``None`` where a run lacks it."""
+
+    key: str
+    a: Any
+    b: Any
+
+    def to_text(self) -> str:
+        return f"{self.key}: {self.a!r} -> {self.b!r}"
+
+
+def compare_inputs(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[InputDiff]:
+    """The inputs that differ between two runs' input records (e.g. run.json ``inputs``)."""
+    flat_a, flat_b = flatten_record(a), flatten_record(b)
+    return [
+        InputDiff(key, flat_a.get(key), flat_b.get(key))
+        for key in sorted(set(flat_a) | set(flat_b))
+        if flat_a.get(key, _ABSENT) != flat_b.get(key, _ABSENT)
+    ]

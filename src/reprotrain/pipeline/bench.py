@@ -50,7 +50,7 @@ from reprotrain.pipeline.data import load_prepared
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.model import Classifier
 from reprotrain.pipeline.ops import device_name
-from reprotrain.pipeline.runs import ensure_prepared
+from reprotrain.pipeline.reruns import ensure_prepared
 from reprotrain.pipeline.stages import stage_arguments
 
 PARAMS = ("seed", "data.batch_size", "model", "train")

@@ -4,9 +4,9 @@ Each run is the train stage's own command (as ``dvc.yaml`` writes it) in a
 new interpreter writing a flat run folder (see
 :mod:`reprotrain.pipeline.runs`), so the determinism flags and
 ``CUBLAS_WORKSPACE_CONFIG`` apply before CUDA starts, exactly as under
-``dvc repro``. Runs go ``jobs`` at a time: the bits must not depend on what
-else the machine does, and side by side the processes overlap their
-start-up and single-threaded phases (``benchmarks/verify_cost.py``).
+``dvc repro``. Runs go ``jobs`` at a time (default 1): side by side they
+overlap start-up, but on the 2-core build machine two trainings that each
+use every core were slower together than one after the other.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def train_fresh(
     environment: Path,
     overrides: list[str],
     command: str,
-    jobs: int = 2,
+    jobs: int = 1,
 ) -> list[Path]:
     """Train once into each of ``folders``, ``jobs`` fresh processes at a time.
 

@@ -24,23 +24,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reprotrain.atomic import atomic_path
-from reprotrain.compare import (
-    ComparisonReport,
-    compare_environments,
-    compare_inputs,
-    compare_traces,
-    compare_weights,
-    plot_losses,
-)
-from reprotrain.hashing import load_safetensors, sha256_file
+from reprotrain.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
+from reprotrain.hashing import sha256_file
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.stages import stage_arguments
-from reprotrain.trace import Trace, load_trace
+
+if TYPE_CHECKING:  # torch and Lightning load only when two runs differ (verify stays fast)
+    from reprotrain.compare import ComparisonReport
+    from reprotrain.trace import Trace
 
 #: File names in a flat run folder (what `reprotrain verify` writes per run).
 FLAT = {
@@ -161,6 +157,8 @@ def _json(path: Path | None) -> dict[str, Any]:
 
 
 def _trace(path: Path | None) -> Trace | None:
+    from reprotrain.trace import load_trace
+
     if path is None:
         return None
     try:
@@ -176,7 +174,10 @@ class RunComparison:
     a: RunFiles
     b: RunFiles
     hashes: dict[str, tuple[str, str]]
-    report: ComparisonReport
+    inputs: list[InputDiff]
+    environment: list[EnvDiff]
+    #: Traces and weights compared; only when the bytes differ or a plot was asked for.
+    report: ComparisonReport | None = None
     run_ids: tuple[str | None, str | None] = (None, None)
     notes: list[str] = field(default_factory=list)
 
@@ -192,7 +193,13 @@ class RunComparison:
             "run_ids": list(self.run_ids),
             "sha256": {name: list(pair) for name, pair in self.hashes.items()},
             "notes": self.notes,
-            **self.report.to_dict(),
+            "trace": None,
+            "weights": [],
+            "weights_equal": self.identical,
+            "environment": [{**asdict(d), "voids": d.voids} for d in self.environment],
+            "inputs": [asdict(d) for d in self.inputs],
+            "guarantee_applies": not any(d.voids for d in self.environment),
+            **(self.report.to_dict() if self.report else {}),
         }
 
     def to_text(self) -> str:
@@ -208,12 +215,13 @@ class RunComparison:
             return "\n".join(lines)
         unequal = [name for name, (a, b) in self.hashes.items() if a != b]
         lines.append(f"DIFFERENT: {', '.join(unequal)} differ")
-        lines.append(self.report.to_text())
+        if self.report is not None:
+            lines.append(self.report.to_text())
         return "\n".join(lines)
 
 
 def compare_runs(a: RunFiles, b: RunFiles, plot: Path | None = None) -> RunComparison:
-    """Compare two runs' bytes; load and explain only what differs."""
+    """Compare two runs' bytes; load and explain traces and weights only when they differ."""
     hashes = {"model": (sha256_file(a.model), sha256_file(b.model))}
     notes = []
     if a.trace and b.trace:
@@ -224,25 +232,40 @@ def compare_runs(a: RunFiles, b: RunFiles, plot: Path | None = None) -> RunCompa
         notes.append("neither run has a trace: no per-step comparison")
     record_a, record_b = _json(a.record), _json(b.record)
     env_a, env_b = _json(a.environment), _json(b.environment)
-    trace_a, trace_b = _trace(a.trace), _trace(b.trace)
+    inputs = compare_inputs(record_a.get("inputs", {}), record_b.get("inputs", {}))
+    environment = compare_environments(env_a, env_b) if env_a and env_b else []
     differ = any(x != y for x, y in hashes.values())
-    report = ComparisonReport(
-        trace=compare_traces(trace_a, trace_b) if trace_a and trace_b and differ else None,
-        weights=(
-            compare_weights(load_safetensors(a.model)[0], load_safetensors(b.model)[0])
-            if differ
-            else []
-        ),
-        environment=compare_environments(env_a, env_b) if env_a and env_b else [],
-        inputs=compare_inputs(record_a.get("inputs", {}), record_b.get("inputs", {})),
-    )
+    report = None
+    if differ or plot is not None:
+        report = _explain(a, b, inputs, environment, differ, plot)
+        weights = report.weights
+        if weights and all(d.equal for d in weights) and len(set(hashes["model"])) == 2:
+            notes.append("the weights are the same bits; the model files differ in metadata only")
+    run_ids = (record_a.get("run_id"), record_b.get("run_id"))
+    return RunComparison(a, b, hashes, inputs, environment, report, run_ids, notes)
+
+
+def _explain(
+    a: RunFiles,
+    b: RunFiles,
+    inputs: list[InputDiff],
+    environment: list[EnvDiff],
+    differ: bool,
+    plot: Path | None,
+) -> ComparisonReport:
+    """The library's comparison of traces and weights (imports torch), and the loss plot."""
+    from reprotrain.compare import ComparisonReport, compare_traces, compare_weights, plot_losses
+    from reprotrain.hashing import load_safetensors
+
+    trace_a, trace_b = _trace(a.trace), _trace(b.trace)
     if plot is not None and trace_a and trace_b:
         plot_losses(trace_a, trace_b, plot, labels=("a", "b"))
-    if (
-        report.weights
-        and all(d.equal for d in report.weights)
-        and hashes["model"][0] != hashes["model"][1]
-    ):
-        notes.append("the weights are the same bits; the model files differ in metadata only")
-    run_ids = (record_a.get("run_id"), record_b.get("run_id"))
-    return RunComparison(a, b, hashes, report, run_ids, notes)
+    weights = []
+    if differ:
+        weights = compare_weights(load_safetensors(a.model)[0], load_safetensors(b.model)[0])
+    return ComparisonReport(
+        trace=compare_traces(trace_a, trace_b) if trace_a and trace_b and differ else None,
+        weights=weights,
+        environment=environment,
+        inputs=inputs,
+    )

@@ -15,7 +15,7 @@ revision was trained on: when the fresh environment record differs from the
 committed one in a field that voids the bitwise guarantee (GPU, torch,
 CUDA, CPU kernels...), verify says so and compares fresh reruns instead.
 
-Runs train ``--jobs`` at a time (default 2, see
+Runs train one after another (``--jobs N``: N side by side, see
 :mod:`reprotrain.pipeline.reruns`); cost against one training run:
 ``benchmarks/verify_cost.py``.
 """
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from reprotrain.atomic import atomic_write_text
-from reprotrain.compare import plot_losses
 from reprotrain.envdiff import compare_environments
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.env import record_environment
@@ -45,7 +44,6 @@ from reprotrain.pipeline.runs import (
     run_in_folder,
 )
 from reprotrain.pipeline.stages import stage_arguments
-from reprotrain.trace import load_trace
 
 PARAMS: tuple[str, ...] = ()
 EXIT_DIFFERENT = 1
@@ -62,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jobs",
         type=int,
-        default=2,
-        help="runs trained side by side (default 2; 1 for a model that fills the GPU)",
+        default=1,
+        help="runs trained side by side (default 1: on a small machine they compete for cores)",
     )
     parser.add_argument(
         "-S",
@@ -99,6 +97,9 @@ def run(_: object, args: argparse.Namespace) -> int:
     results = [compare_runs(first, other) for other in (fresh[1:] if reference is None else fresh)]
     for result in results:
         if not result.identical and result.a.trace and result.b.trace:
+            from reprotrain.compare import plot_losses  # torch: only when runs differ
+            from reprotrain.trace import load_trace
+
             plot = workdir / f"loss-{result.b.label}.png"
             plot_losses(load_trace(result.a.trace), load_trace(result.b.trace), plot)
             result.notes.append(f"loss plot: {plot}")
