@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from reprotrain.pipeline.config import add_override_option
+
 #: Sub-command -> one-line help. Each is the module reprotrain.pipeline.<name> ("-" -> "_").
 COMMANDS = {
     "env": "record the environment that decides the bits",
@@ -87,15 +89,7 @@ def add_param_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deterministic", choices=("true", "false", "warn"), help="override `deterministic`"
     )
-    parser.add_argument(
-        "-S",
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any key, e.g. -S train.lr=0.01 (as in `dvc exp run -S`)",
-    )
+    add_override_option(parser, "override any key, e.g. -S train.lr=0.01 (as in `dvc exp run -S`)")
 
 
 def overrides(args: argparse.Namespace) -> list[str]:

@@ -49,7 +49,7 @@ from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.data import load_prepared
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.model import Classifier
-from reprotrain.pipeline.ops import device_name
+from reprotrain.pipeline.ops import device_facts
 from reprotrain.pipeline.reruns import ensure_prepared
 from reprotrain.pipeline.stages import stage_arguments
 
@@ -239,12 +239,7 @@ def run(params: Params, args: argparse.Namespace) -> int:
         torch.backends.cudnn.benchmark,
     )
     report: dict[str, Any] = {
-        "device": str(device),
-        "device_name": device_name(device),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
-        "threads": torch.get_num_threads(),
+        **device_facts(device),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         "steps": args.steps,
         "warmup": args.warmup,

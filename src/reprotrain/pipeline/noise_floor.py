@@ -33,6 +33,7 @@ import torch
 from reprotrain.atomic import atomic_write_text
 from reprotrain.compare import compare_traces
 from reprotrain.hashing import canonical_json, load_safetensors
+from reprotrain.pipeline.config import add_override_option
 from reprotrain.pipeline.env import record_environment
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.reruns import ensure_prepared, train_fresh
@@ -56,15 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", type=Path, help="keep the run folders here")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--out", type=Path, help="also write the JSON report to this file")
-    parser.add_argument(
-        "-S",
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="params override for every run, e.g. -S train.max_epochs=1",
-    )
+    add_override_option(parser, "params override for every run, e.g. -S train.max_epochs=1")
 
 
 def run(_: object, args: argparse.Namespace) -> int:

@@ -54,6 +54,18 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or "unknown CPU"
 
 
+def device_facts(device: torch.device) -> dict[str, Any]:
+    """What a measurement on ``device`` depends on: model, torch / CUDA / cuDNN, threads."""
+    return {
+        "device": str(device),
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
+        "threads": torch.get_num_threads(),
+    }
+
+
 def _device(choice: str | None) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         raise DataError("--device cuda: no CUDA device is visible here; use --device cpu")
@@ -73,12 +85,7 @@ def run(_: object, args: argparse.Namespace) -> int:
     results = probe_catalog(device, cases, repeats=args.repeats)
     elapsed = time.perf_counter() - start
     report = {
-        "device": str(device),
-        "device_name": device_name(device),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
-        "threads": torch.get_num_threads(),
+        **device_facts(device),
         "repeats": args.repeats,
         "elapsed_s": round(elapsed, 3),
         "ops": [r.to_dict() for r in results],

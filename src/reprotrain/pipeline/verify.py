@@ -31,6 +31,7 @@ from typing import Any
 from reprotrain.atomic import atomic_write_text
 from reprotrain.envdiff import compare_environments
 from reprotrain.hashing import canonical_json
+from reprotrain.pipeline.config import add_override_option
 from reprotrain.pipeline.env import record_environment
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.reruns import ensure_prepared, train_fresh
@@ -63,15 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="runs trained side by side (default 1: on a small machine they compete for cores)",
     )
-    parser.add_argument(
-        "-S",
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="params override for every run, e.g. -S train.accelerator=gpu",
-    )
+    add_override_option(parser, "params override for every run, e.g. -S train.accelerator=gpu")
 
 
 def run(_: object, args: argparse.Namespace) -> int:
