@@ -5,10 +5,15 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,3 +101,49 @@ def stage_argv(repo: Path, stage: str) -> list[str]:
 
     cmd = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"][stage]["cmd"]
     return shlex.split(cmd)[1:]
+
+
+def cmdline(process: psutil.Process) -> str:
+    """The command line, or "" for a process that is gone or a zombie."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def kill_tree(roots) -> None:
+    """SIGKILL each process and all its descendants (DataLoader workers included)."""
+    victims = []
+    for root in roots:
+        with contextlib.suppress(psutil.Error):
+            victims += [root, *root.children(recursive=True)]
+    for victim in victims:
+        with contextlib.suppress(psutil.Error):
+            victim.kill()
+
+
+def kill_after_checkpoint(argv: list[str], ckpt_root: Path, min_epoch: int, cwd: Path) -> None:
+    """Start `reprotrain train`, SIGKILL it at a random moment after epoch `min_epoch` is saved."""
+    from reprotrain.resume import sidecar  # Lightning: only for the tests that need it
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reprotrain", *argv],
+        cwd=cwd,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        done = [
+            int(p.name.removeprefix("epoch=").removesuffix(".ckpt"))
+            for p in ckpt_root.glob("*/epoch=*.ckpt")
+            if sidecar(p).is_file()
+        ]
+        if done and max(done) >= min_epoch:
+            time.sleep(random.uniform(0, 0.2))  # inside the next epoch, well before the end
+            kill_tree([psutil.Process(proc.pid)])
+            break
+        time.sleep(0.02)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"

@@ -12,7 +12,6 @@ from reprotrain.determinism import configure_determinism
 from reprotrain.environment import capture_environment
 from reprotrain.pipeline import train
 from reprotrain.pipeline.config import load_params
-from reprotrain.pipeline.run_record import run_inputs
 from reprotrain.provenance import (
     ChecksumError,
     code_hash,
@@ -33,7 +32,7 @@ def inputs_for(prepared: Path):
     def make(overrides=(), data=prepared, env=environment):
         params = load_params(ROOT / "params.yaml", overrides)
         settings = configure_determinism(params.seed, params.deterministic)
-        return run_inputs(train.__name__, params, train.PARAMS, data, env, None, settings)
+        return train.stage_inputs(params, data, env, None, settings)
 
     return make
 

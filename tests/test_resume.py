@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import random
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +18,15 @@ from reprotrain.pipeline import train
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import load_prepared
 from reprotrain.resume import latest_checkpoint, sidecar
-from tests.helpers import ROOT, cli_env, run_checked, run_cli
+from tests.helpers import (
+    ROOT,
+    cli_env,
+    cmdline,
+    kill_after_checkpoint,
+    kill_tree,
+    run_checked,
+    run_cli,
+)
 
 EPOCHS = 4
 pytestmark = pytest.mark.usefixtures("restore_torch_flags")
@@ -89,56 +93,12 @@ def straight_run(prepared: Path, env_record: Path, tmp_path_factory) -> Path:
     return out
 
 
-def _cmdline(process: psutil.Process) -> str:
-    """The command line, or "" for a process that is gone or a zombie."""
-    try:
-        return " ".join(process.cmdline())
-    except psutil.Error:
-        return ""
-
-
-def _kill_tree(roots) -> None:
-    """SIGKILL each process and all its descendants (DataLoader workers included)."""
-    victims = []
-    for root in roots:
-        with contextlib.suppress(psutil.Error):
-            victims += [root, *root.children(recursive=True)]
-    for victim in victims:
-        with contextlib.suppress(psutil.Error):
-            victim.kill()
-
-
-def _kill_after_checkpoint(argv: list[str], ckpt_root: Path, min_epoch: int, cwd: Path) -> None:
-    """Start `reprotrain train`, SIGKILL it at a random moment after epoch `min_epoch` is saved."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "reprotrain", *argv],
-        cwd=cwd,
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        done = [
-            int(p.name.removeprefix("epoch=").removesuffix(".ckpt"))
-            for p in ckpt_root.glob("*/epoch=*.ckpt")
-            if sidecar(p).is_file()
-        ]
-        if done and max(done) >= min_epoch:
-            time.sleep(random.uniform(0, 0.2))  # inside the next epoch, well before the end
-            _kill_tree([psutil.Process(proc.pid)])
-            break
-        time.sleep(0.02)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-
-
 @pytest.mark.parametrize("kill_after_epoch", [0, 1])
 def test_kill_9_then_rerun_resumes_to_the_same_bits(
     kill_after_epoch: int, prepared: Path, env_record: Path, straight_run: Path, tmp_path: Path
 ) -> None:
     argv = _train_argv(prepared, tmp_path, env_record)
-    _kill_after_checkpoint(argv, tmp_path / "ckpt", kill_after_epoch, tmp_path)
+    kill_after_checkpoint(argv, tmp_path / "ckpt", kill_after_epoch, tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
     result = run_cli(*argv, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -154,7 +114,7 @@ def test_kill_9_then_rerun_resumes_to_the_same_bits(
 
 def _interrupted_checkpoint(prepared: Path, env_record: Path, tmp_path: Path) -> tuple[list, Path]:
     argv = _train_argv(prepared, tmp_path, env_record)
-    _kill_after_checkpoint(argv, tmp_path / "ckpt", 0, tmp_path)
+    kill_after_checkpoint(argv, tmp_path / "ckpt", 0, tmp_path)
     ckpt = latest_checkpoint(next((tmp_path / "ckpt").iterdir()))
     assert ckpt is not None
     return argv, ckpt
@@ -209,10 +169,10 @@ def test_dvc_repro_after_an_interruption_resumes_to_the_reference_bits(
             p for p in (repo_copy / "checkpoints").glob("*/epoch=*.ckpt") if sidecar(p).exists()
         ]
         if ckpts:
-            _kill_tree(
+            kill_tree(
                 c
                 for c in psutil.Process(proc.pid).children(recursive=True)
-                if "reprotrain train" in _cmdline(c)
+                if "reprotrain train" in cmdline(c)
             )
             killed = True
         time.sleep(0.02)

@@ -17,6 +17,13 @@ diagnosis names the steps a backward or optimizer cause may hide in. It is a
 diagnosis from fingerprints, not a proof: where the bits first part, and the
 usual reason for that place. With ``detail="full"`` traces it also names the
 first parameter tensor (or RNG source) that differs.
+
+DDP traces hold one set of rows per rank: each rank is compared on its own,
+and the report names the first diverging step and, at that step, the rank
+whose first differing record comes earliest in the step (a batch or loss
+difference on one rank points at that rank; gradients are traced after the
+all-reduce, so a backward difference shows on every rank at once and the
+lowest is named). Traces of different world sizes are not compared row by row.
 ``compare_weights`` compares two state dicts tensor by tensor;
 ``compare_environments`` (from :mod:`reprotrain.envdiff`) lists environment
 fields that differ and whether each voids the bitwise guarantee;
@@ -29,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,7 +74,12 @@ DIAGNOSES = {
     "grads": "non-deterministic kernel in the backward pass (same batch, RNG, parameters, loss)",
     "params": "optimizer: same gradients, different update",
     "length": "runs have different step counts; all common steps are identical",
+    "world_size": "different world sizes: each rank trained on another share of the data, and "
+    "gradients were averaged over another number of ranks; the runs are not comparable step "
+    "by step (the run inputs name the change)",
 }
+#: The order a step computes its records in; at one step the earliest names the cause.
+_STEP_ORDER = ("schedule", *RECORDS, "length")
 
 
 @dataclass(frozen=True)
@@ -84,20 +96,39 @@ class TraceDiff:
     tensor: str | None = None
     records_differing: tuple[str, ...] = ()
     initial_params_equal: bool = True
+    #: Under DDP: the rank named, the world sizes, and every rank diverging at ``first_step``.
+    rank: int | None = None
+    world_sizes: tuple[int, int] = (1, 1)
+    ranks_at_step: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["records_differing"] = list(self.records_differing)
+        out["world_sizes"] = list(self.world_sizes)
+        out["ranks_at_step"] = list(self.ranks_at_step)
         return out
 
     def to_text(self) -> str:
+        ranks = "" if self.world_sizes == (1, 1) else f", {self.world_sizes[0]} ranks"
         if self.identical:
-            return f"traces identical ({self.steps_a} steps)"
+            return f"traces identical ({self.steps_a} steps{ranks})"
+        if self.record == "world_size":
+            sizes = " vs ".join(map(str, self.world_sizes))
+            return f"traces of world size {sizes}\n  diagnosis: {self.diagnosis}"
+        where = "" if self.rank is None else f" on rank {self.rank} of {self.world_sizes[0]}"
         lines = [
-            f"traces diverge at step {self.first_step} (row {self.first_row}): "
+            f"traces diverge at step {self.first_step}{where} (row {self.first_row}): "
             f"{self.record} differs first",
             f"  diagnosis: {self.diagnosis}",
         ]
+        if len(self.ranks_at_step) > 1:
+            listed = ", ".join(map(str, self.ranks_at_step))
+            lines.append(f"  ranks diverging at step {self.first_step}: {listed}")
+        if len(self.ranks_at_step) == self.world_sizes[0] > 1:
+            lines.append(
+                "  every rank diverges here: the cause may be on any of them (DDP averages "
+                "gradients over all ranks, so a backward difference on one reaches every rank)"
+            )
         if self.tensor:
             lines.append(f"  first differing tensor: {self.tensor}")
         if self.records_differing:
@@ -146,7 +177,37 @@ def _kernel_diagnosis(
 
 
 def compare_traces(a: Trace, b: Trace) -> TraceDiff:
-    """First step and record at which ``a`` and ``b`` differ, with a likely cause."""
+    """First step (and rank) and record at which ``a`` and ``b`` differ, with a likely cause."""
+    sizes = (a.world_size, b.world_size)
+    if sizes != (1, 1):
+        return _compare_ranks(a, b)
+    return _compare_rank(a, b)
+
+
+def _compare_ranks(a: Trace, b: Trace) -> TraceDiff:
+    sizes = (a.world_size, b.world_size)
+    if sizes[0] != sizes[1]:
+        return TraceDiff(
+            False,
+            a.num_steps,
+            b.num_steps,
+            record="world_size",
+            diagnosis=DIAGNOSES["world_size"],
+            world_sizes=sizes,
+        )
+    diffs = [
+        replace(_compare_rank(a.of_rank(r), b.of_rank(r)), rank=r, world_sizes=sizes)
+        for r in range(sizes[0])
+    ]
+    diverging = [d for d in diffs if not d.identical]
+    if not diverging:
+        return replace(diffs[0], rank=None)
+    first = min(diverging, key=lambda d: (d.first_step, _STEP_ORDER.index(d.record), d.rank))
+    at_step = tuple(d.rank for d in diverging if d.first_step == first.first_step)
+    return replace(first, ranks_at_step=at_step)
+
+
+def _compare_rank(a: Trace, b: Trace) -> TraceDiff:
     common = min(a.num_steps, b.num_steps)
     initial_equal = a.initial_params == b.initial_params
     base = {"steps_a": a.num_steps, "steps_b": b.num_steps, "initial_params_equal": initial_equal}

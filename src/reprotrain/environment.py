@@ -66,6 +66,9 @@ SHAPING_VARIABLES = (
     "PYTHONHASHSEED",
     "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
 )
+#: Collective-communication settings: every set ``NCCL_*`` variable but these, which only log.
+COLLECTIVE_PREFIX = "NCCL_"
+COLLECTIVE_LOGGING = frozenset({"NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS"})
 #: Set in the container image (Dockerfile) and by `make docker-repro`.
 IMAGE_DIGEST_VARIABLE = "REPROTRAIN_BASE_IMAGE"
 IMAGE_ID_VARIABLE = "REPROTRAIN_IMAGE_ID"
@@ -91,12 +94,24 @@ def capture_environment(
             "machine": platform.machine(),
             "libc": "-".join(platform.libc_ver()),
         },
-        "variables": {name: os.environ.get(name) for name in SHAPING_VARIABLES},
+        "variables": {
+            **{name: os.environ.get(name) for name in SHAPING_VARIABLES},
+            **collective_variables(),
+        },
         "lock": lock_status(lock, ignore_packages) if lock else None,
         "container": {
             "base_image": os.environ.get(IMAGE_DIGEST_VARIABLE, "none"),
             "image_id": os.environ.get(IMAGE_ID_VARIABLE, "none"),
         },
+    }
+
+
+def collective_variables(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The ``NCCL_*`` variables that are set (algorithm, protocol, channels, transports...)."""
+    return {
+        name: value
+        for name, value in sorted(environ.items())
+        if name.startswith(COLLECTIVE_PREFIX) and name not in COLLECTIVE_LOGGING
     }
 
 

@@ -6,6 +6,9 @@ and shuffles than an uninterrupted one. :class:`RandomStateCallback` adds to
 every checkpoint the python, numpy, torch CPU and every CUDA device's
 generator state, plus any ``torch.Generator`` you hand it (give it the one
 your training DataLoader shuffles with), and restores them on resume.
+Under DDP each rank's state is gathered into the one checkpoint rank 0
+writes, and each rank restores its own (a checkpoint from another world size
+is refused).
 
 The guarantee: resuming from a checkpoint taken at an **epoch boundary**
 gives the same bits as the uninterrupted run, provided the DataLoader
@@ -37,6 +40,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from reprotrain.atomic import atomic_path, atomic_write_text
+from reprotrain.distributed import gather_from_ranks, this_rank, world_size
 from reprotrain.hashing import sha256_file
 
 RUN_ID_KEY = "reprotrain_run_id"
@@ -135,6 +139,21 @@ class RandomStateCallback(L.Callback):
         self.restore = restore
 
     def state_dict(self) -> dict[str, Any]:
+        """Every rank's random state, in rank order (a collective under DDP)."""
+        return {"ranks": gather_from_ranks(self._local_state())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.restore:
+            return
+        ranks = state["ranks"]
+        if len(ranks) != world_size():
+            raise CheckpointError(
+                f"checkpoint holds the random state of {len(ranks)} ranks, this run has "
+                f"{world_size()}: resume with the world size it was written with"
+            )
+        self._restore(ranks[this_rank()])
+
+    def _local_state(self) -> dict[str, Any]:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
         version, internal, gauss = random.getstate()
         return {
@@ -151,9 +170,7 @@ class RandomStateCallback(L.Callback):
             "generators": {name: g.get_state() for name, g in self.generators.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not self.restore:
-            return
+    def _restore(self, state: dict[str, Any]) -> None:
         py = state["python"]
         random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
         npy = state["numpy"]

@@ -26,12 +26,18 @@ Fingerprints stay on the device until every ``flush_every`` rows.
 Limits: only trainable parameters (as of ``on_train_start``); no buffers
 (BatchNorm statistics), optimizer state, non-tensor batch items or
 non-global generators (a DataLoader's own generator shows in the batch).
-Sharded strategies trace each rank's shard; rank 0 writes. CPU fingerprints
-run on one thread, briefly switching torch's global thread count.
+CPU fingerprints run on one thread, briefly switching torch's global thread count.
+
+Under DDP every rank traces its own rows (its batch, RNG state and loss;
+gradients as DDP leaves them, after the all-reduce, so a backward difference
+on one rank shows on every rank at once); at the end of fit (and in every
+checkpoint) the rows of all ranks are gathered and rank 0 writes one file with
+a ``rank`` column. A trace of a sharded model covers each rank's shard.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import random
@@ -48,6 +54,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.optim import Optimizer
 
 from reprotrain.atomic import atomic_path
+from reprotrain.distributed import gather_from_ranks, this_rank, world_size
 from reprotrain.hashing import load_safetensors, safetensors_metadata
 
 Detail = Literal["default", "full"]
@@ -228,10 +235,31 @@ class Trace:
     grads_per_param: np.ndarray | None = None
     params_per_param: np.ndarray | None = None
     rng_per_source: np.ndarray | None = None
+    #: The rank that recorded each row (all 0 in a single process); rows are in rank order.
+    rank: np.ndarray | None = None
+    world_size: int = 1
+    initial_per_rank: tuple[int, ...] = ()
 
     @property
     def num_steps(self) -> int:
         return len(self.step)
+
+    def of_rank(self, rank: int) -> Trace:
+        """The rows one rank recorded, as a single-process trace."""
+        if self.rank is None:
+            return self
+        rows = self.rank == rank
+        arrays = {
+            f.name: getattr(self, f.name)[rows]
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), np.ndarray)
+        }
+        records = {name: values[rows] for name, values in self.records.items()}
+        initial = self.initial_per_rank[rank] if self.initial_per_rank else self.initial_params
+        return dataclasses.replace(
+            self, **arrays, records=records, world_size=1, initial_params=initial,
+            initial_per_rank=(initial,),
+        )  # fmt: skip
 
 
 class TraceCallback(Callback):
@@ -282,7 +310,10 @@ class TraceCallback(Callback):
         self._initial = int(self._mix(initial))
 
     def state_dict(self) -> dict[str, Any]:
-        """The rows so far, as tensors (checkpoints load with ``weights_only=True``)."""
+        """Every rank's rows so far, as tensors (checkpoints load with ``weights_only=True``)."""
+        return {"ranks": gather_from_ranks(self._local_state())}
+
+    def _local_state(self) -> dict[str, Any]:
         self._flush()
         rows = np.concatenate(self._flushed) if self._flushed else np.zeros((0, 0), np.int64)
         return {
@@ -296,7 +327,11 @@ class TraceCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = state_dict
 
-    def _continue(self, state: dict[str, Any]) -> None:
+    def _continue(self, restored: dict[str, Any]) -> None:
+        ranks = restored["ranks"]
+        if len(ranks) != world_size():
+            raise ValueError(f"checkpoint traced {len(ranks)} ranks, this run has {world_size()}")
+        state = ranks[this_rank()]
         if state["settings"] != [self.detail, self.weights_every]:
             raise ValueError(
                 f"checkpoint traced with detail/weights_every {state['settings']}, "
@@ -366,35 +401,48 @@ class TraceCallback(Callback):
             self._pending = []
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._flush()
+        self._gathered = gather_from_ranks(self._local_state())
         if trainer.is_global_zero and self.path is not None:
             self.write(self.path)
 
     def write(self, path: str | Path) -> None:
-        """Write the rows recorded so far as a trace file: deterministic bytes, atomic."""
+        """Write every rank's rows as one trace file: deterministic bytes, atomic.
+
+        Under DDP call it on rank 0 after ``fit`` (which gathered the ranks' rows).
+        """
         from safetensors.torch import save_file
 
-        self._flush()
+        ranks = getattr(self, "_gathered", None) or [self._local_state()]
+        parts = [self._tensors(state) for state in ranks]
+        tensors = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+        tensors["rank"] = torch.cat(
+            [torch.full((len(part["step"]),), r, dtype=torch.int64) for r, part in enumerate(parts)]
+        )
+        tensors["initial_params"] = torch.tensor([s["initial"] for s in ranks], dtype=torch.int64)
+        names = {"param_names": list(self._names), "rng_sources": list(self._rng_sources)}
+        metadata = safetensors_metadata(
+            {"format": FORMAT, "version": VERSION, "detail": self.detail, **names,
+             "weights_every": self.weights_every, "records": list(RECORDS),
+             "world_size": len(ranks)}
+        )  # fmt: skip
+        with atomic_path(path) as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+
+    def _tensors(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """One rank's rows (a ``_local_state``) as the file's columns."""
         n = len(self._names)
-        empty = np.zeros((0, 4 + (2 * n if self.detail == "full" else 0)), np.int64)
-        rows = torch.from_numpy(np.concatenate([empty, *self._flushed]))
+        empty = torch.zeros((0, 4 + (2 * n if self.detail == "full" else 0)), dtype=torch.int64)
+        rows = torch.cat([empty, state["rows"].reshape(-1, empty.shape[1])])
         width = len(_HOST_COLUMNS) + (len(self._rng_sources) if self.detail == "full" else 0)
-        host = torch.tensor(self._host, dtype=torch.int64).reshape(-1, width)
+        host = state["host"].reshape(-1, width)
         tensors = {name: host[:, i] for i, name in enumerate(_HOST_COLUMNS)}
         tensors |= {name: rows[:, i] for i, name in enumerate(("batch", "loss", "grads", "params"))}
         tensors["weights_traced"] = tensors["weights_traced"].bool()
         tensors["loss_value"] = rows[:, 1].contiguous().view(torch.float64)
-        tensors["initial_params"] = torch.tensor([self._initial], dtype=torch.int64)
         if self.detail == "full":
             tensors["grads_per_param"], tensors["params_per_param"] = rows[:, 4:].split(n, dim=1)
             tensors["rng_per_source"] = host[:, len(_HOST_COLUMNS) :]
-        names = {"param_names": list(self._names), "rng_sources": list(self._rng_sources)}
-        metadata = safetensors_metadata(
-            {"format": FORMAT, "version": VERSION, "detail": self.detail, **names,
-             "weights_every": self.weights_every, "records": list(RECORDS)}
-        )  # fmt: skip
-        with atomic_path(path) as tmp:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        return tensors
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -405,12 +453,16 @@ def load_trace(path: str | Path) -> Trace:
     arrays = {name: tensor.numpy() for name, tensor in tensors.items()}
     for values in arrays.values():
         values.flags.writeable = False
+    initial = arrays.pop("initial_params")
+    arrays.setdefault("rank", np.zeros(len(arrays["step"]), np.int64))  # written before DDP
     return Trace(
         detail=meta["detail"],
         weights_every=int(meta["weights_every"]),
         records={name: arrays.pop(name) for name in RECORDS},
-        initial_params=int(arrays.pop("initial_params")[0]),
+        initial_params=int(initial[0]),
         param_names=tuple(meta["param_names"]),
         rng_sources=tuple(meta["rng_sources"]),
+        world_size=int(meta.get("world_size", 1)),
+        initial_per_rank=tuple(int(v) for v in initial),
         **arrays,
     )

@@ -5,6 +5,8 @@ With ``REPROTRAIN_TEST_NOISE_FROM_STEP=k`` the pipeline's network gets one extra
 ``NoisyGrad``, after its first Linear layer: an identity in the forward pass whose backward
 pass adds noise from an unseeded generator from its k-th training call on. That is a
 stand-in for a non-deterministic backward kernel, which verify, compare and locate must find.
+``REPROTRAIN_TEST_NOISE_RANK=r`` limits it to DDP rank r; ``REPROTRAIN_TEST_NOISE_IN=forward``
+adds the noise to the forward pass instead (a difference that stays on that rank's loss).
 """
 
 from __future__ import annotations
@@ -12,22 +14,32 @@ from __future__ import annotations
 import os
 
 FROM_STEP = os.environ.get("REPROTRAIN_TEST_NOISE_FROM_STEP")
+ONLY_RANK = os.environ.get("REPROTRAIN_TEST_NOISE_RANK")
+IN_FORWARD = os.environ.get("REPROTRAIN_TEST_NOISE_IN") == "forward"
 
 if FROM_STEP is not None:
     import torch
+    import torch.distributed as dist
     from torch import nn
 
     import reprotrain.pipeline.model as pipeline_model
 
+    def _noise_like(t: torch.Tensor) -> torch.Tensor:
+        unseeded = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        return 1e-4 * torch.randn(t.shape, generator=unseeded).to(t)
+
     class _Noise(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-            return x.view_as(x)
+            return x + _noise_like(x) if IN_FORWARD else x.view_as(x)
 
         @staticmethod
         def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-            unseeded = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
-            return grad + 1e-4 * torch.randn(grad.shape, generator=unseeded).to(grad)
+            return grad if IN_FORWARD else grad + _noise_like(grad)
+
+    def _this_rank_noisy() -> bool:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return ONLY_RANK is None or int(ONLY_RANK) == rank
 
     class NoisyGrad(nn.Module):
         def __init__(self, from_step: int) -> None:
@@ -38,7 +50,8 @@ if FROM_STEP is not None:
             if not self.training:
                 return x
             self.calls += 1
-            return _Noise.apply(x) if self.calls > self.from_step else x
+            noisy = self.calls > self.from_step and _this_rank_noisy()
+            return _Noise.apply(x) if noisy else x
 
     original = pipeline_model.build_network
 

@@ -68,7 +68,18 @@ class TrainConfig:
     lr: float = _spec(0.005, "learning rate", gt=0, le=10)
     weight_decay: float = _spec(0.0, "weight decay", ge=0)
     accelerator: str = _spec("cpu", "where to train; never 'auto'", choices=("cpu", "gpu"))
-    devices: int = _spec(1, "number of devices; only 1 in this version", ge=1, le=1)
+    devices: int = _spec(
+        1, "devices (processes on cpu) per node; more than 1 needs strategy: ddp", ge=1, le=1024
+    )
+    num_nodes: int = _spec(
+        1, "machines; world size = devices x num_nodes; more than 1 needs ddp", ge=1, le=4096
+    )
+    strategy: str = _spec(
+        "single_device",
+        "'single_device': one process; 'ddp': one process per device, gloo on cpu, NCCL on gpu "
+        "(reproducible for a fixed world size)",
+        choices=("single_device", "ddp"),
+    )
     precision: str = _spec(
         "32-true",
         "Lightning precision",
@@ -136,6 +147,13 @@ def parse_params(raw: Mapping[str, Any], source: str = "params") -> Params:
         raise ConfigError(
             f"{source}: data.val_fraction + data.test_fraction must be below 1, got "
             f"{params.data.val_fraction} + {params.data.test_fraction}"
+        )
+    train = params.train
+    if train.devices * train.num_nodes > 1 and train.strategy != "ddp":
+        raise ConfigError(
+            f"{source}: train.strategy: got {train.strategy!r} with train.devices "
+            f"{train.devices} x train.num_nodes {train.num_nodes}; set train.strategy: ddp "
+            "for more than one device"
         )
     return params
 

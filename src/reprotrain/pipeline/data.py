@@ -17,10 +17,24 @@ processes: its output is reproducible only because every worker is seeded
 which is why ``num_workers`` defaults to 2. Workers are not persistent: each
 epoch's workers are seeded from ``train_generator``, so resuming at an epoch
 boundary with that generator restored replays the same augmentation.
+
+Under DDP (``shard=True``) each rank trains on its own share of the training
+split (:class:`ShardSampler`): every epoch, every rank draws the same
+permutation from its ``train_generator`` (seeded alike, consumed alike) and
+takes every ``world_size``-th sample from its rank on. Its state is the
+generator's, which checkpoints carry. Not torch's ``DistributedSampler``:
+that one shuffles by ``seed + epoch`` with the epoch Lightning passes to
+``set_epoch``, and after resuming from an end-of-epoch checkpoint Lightning
+passed the finished epoch again (seen with Lightning 2.6: the resumed run's
+batches differed from the first step of the next epoch). Workers are seeded
+per rank: Lightning's worker init function mixes in the global rank.
+Validation runs over the whole split on every rank, so its metrics are exact
+and equal on every rank, with no all-reduce.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +43,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from reprotrain.atomic import atomic_path
 from reprotrain.hashing import load_safetensors, safetensors_metadata
@@ -104,18 +118,37 @@ class PreparedDataModule(L.LightningDataModule):
     """Train / val loaders over a :class:`PreparedData`, with a seeded shuffle."""
 
     def __init__(
-        self, data: PreparedData, batch_size: int, num_workers: int, augment: bool, seed: int
+        self,
+        data: PreparedData,
+        batch_size: int,
+        num_workers: int,
+        augment: bool,
+        seed: int,
+        shard: bool = False,
     ) -> None:
         super().__init__()
         self.data = data
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.augment = augment
+        self.seed = seed
+        self.shard = shard
         self.train_generator = torch.Generator().manual_seed(seed)
 
     def train_dataloader(self) -> DataLoader:
         x, y = self.data.split("train")
-        return self._loader(ShiftedImages(x, y, self.augment), shuffle=True)
+        dataset = ShiftedImages(x, y, self.augment)
+        if not self.shard:
+            return self._loader(dataset, shuffle=True)
+        rank, ranks = self.trainer.global_rank, self.trainer.world_size
+        sampler = ShardSampler(len(dataset), rank, ranks, self.train_generator)
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            generator=self.train_generator,  # seeds the workers
+        )
 
     def val_dataloader(self) -> DataLoader:
         x, y = self.data.split("val")
@@ -129,3 +162,25 @@ class PreparedDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             generator=self.train_generator if shuffle else None,
         )
+
+
+class ShardSampler(Sampler[int]):
+    """Rank ``rank``'s share of a permutation drawn from ``generator`` each epoch.
+
+    Every rank must hold a generator in the same state: they then draw the
+    same permutation and take disjoint shares. The permutation is padded with
+    its first samples so every rank gets ``ceil(size / world_size)``.
+    """
+
+    def __init__(self, size: int, rank: int, world_size: int, generator: torch.Generator) -> None:
+        self.size, self.rank, self.world_size = size, rank, world_size
+        self.generator = generator
+        self.per_rank = -(-size // world_size)
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(self.size, generator=self.generator).tolist()
+        order += order[: self.per_rank * self.world_size - self.size]
+        return iter(order[self.rank :: self.world_size])

@@ -16,7 +16,6 @@ from reprotrain.determinism import configure_determinism
 from reprotrain.pipeline import train
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.env import record_environment
-from reprotrain.pipeline.run_record import run_inputs
 from reprotrain.pipeline.stages import stage_arguments
 from reprotrain.provenance import run_id
 
@@ -32,9 +31,7 @@ def run(params: Params, args: argparse.Namespace) -> int:
     environment = record_environment(stage_arguments("env", args.dvc_yaml).lock)
     settings = configure_determinism(params.seed, params.deterministic)
     train_args = stage_arguments("train", args.dvc_yaml)
-    inputs = run_inputs(
-        train.__name__, params, PARAMS, train_args.data, environment, train_args.dvc_lock, settings
-    )
+    inputs = train.stage_inputs(params, train_args.data, environment, train_args.dvc_lock, settings)
     identity = run_id(inputs)
     if args.json:
         print(json.dumps({"run_id": identity, "inputs": inputs}, indent=2, sort_keys=True))

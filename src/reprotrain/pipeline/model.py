@@ -55,7 +55,8 @@ class Classifier(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss, on_step=True, on_epoch=False)
+        # Under DDP: the mean over the ranks (each rank's own loss is in the trace).
+        self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:

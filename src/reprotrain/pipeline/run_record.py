@@ -5,7 +5,8 @@ The run ID covers the stage's params, the md5 of the data it trains on
 (checked against what DVC recorded), the lock's sha256, the sha256 of the
 stage's source files (its module and every ``reprotrain`` module it imports:
 the same files ``dvc.yaml`` lists as its deps), the environment record's fingerprint, the
-determinism settings in force and torch's runtime switches (threads, TF32).
+determinism settings in force, torch's runtime switches (threads, TF32) and
+the distributed layout (world size, backend, DDP options, ``NCCL_*`` settings).
 The git commit is deliberately absent: the code itself is hashed, and the
 commit that holds ``run.json`` is its provenance. Were it inside, a commit
 that only touches the README would change ``run.json`` and so ``dvc.lock``,
@@ -53,6 +54,7 @@ def run_inputs(
     environment: Mapping[str, Any],
     dvc_lock: Path | None,
     settings: DeterminismSettings,
+    distributed: Mapping[str, Any],
 ) -> dict[str, Any]:
     """Everything that decides the stage's bits; refuses data DVC recorded differently."""
     if not data.is_file():
@@ -68,6 +70,7 @@ def run_inputs(
         "environment_sha256": environment_fingerprint(environment),
         "determinism": settings.as_dict(),
         "torch_runtime": torch_runtime(),
+        "distributed": dict(distributed),
     }
 
 

@@ -11,6 +11,15 @@ trace that ``reprotrain compare`` reads), the run record (``run.json``: run
 ID and output hashes) last, and drop the checkpoints. Nothing written contains a
 time, a path, a host name or a logger version folder, so identical training
 gives identical bytes, resumed or not.
+
+With ``train.strategy: ddp`` Lightning starts one process per device (on
+CPU, ``devices`` processes with gloo), each running this same stage. Every
+rank computes the run ID, and :class:`~reprotrain.distributed.RankAgreement`
+stops them all if any rank disagrees on it or on the resume point; each rank
+trains on its seeded share of the data; only rank 0 writes, after gathering
+every rank's trace rows (the checkpoints carry every rank's random state).
+The distributed layout (world size, backend, DDP options, ``NCCL_*``
+settings) is part of the run inputs, so it is part of the run ID.
 """
 
 from __future__ import annotations
@@ -34,6 +43,13 @@ from reprotrain.determinism import (
     DeterminismSettings,
     configure_determinism,
     explain_nondeterministic_error,
+)
+from reprotrain.distributed import (
+    RankAgreement,
+    ddp_strategy,
+    distributed_layout,
+    set_threads_per_rank,
+    this_rank,
 )
 from reprotrain.hashing import canonical_json, safetensors_metadata
 from reprotrain.pipeline.config import Params
@@ -79,13 +95,16 @@ def run(params: Params, args: argparse.Namespace) -> str:
     settings = configure_determinism(params.seed, params.deterministic)
     environment = load_environment(args.env)
     _check_lock(environment["lock"], params.deterministic)
-    inputs = run_inputs(__name__, params, PARAMS, args.data, environment, args.dvc_lock, settings)
+    inputs = stage_inputs(params, args.data, environment, args.dvc_lock, settings)
     identity = run_id(inputs)
     run_dir = args.checkpoints / identity
     resume_from = find_resume_point(run_dir, identity)
     data = load_prepared(args.data)
     tracer = TraceCallback(None, detail=params.train.trace) if args.trace else None
     module, logger = fit(params, data, settings, run_dir, identity, resume_from, tracer=tracer)
+    resumed = f", resumed from {resume_from.name}" if resume_from else ""
+    if this_rank() != 0:
+        return f"rank {this_rank()} trained run {identity[:12]}{resumed}; rank 0 writes"
 
     outputs = _write_outputs(args, params, data, settings, module, logger)
     if tracer is not None:
@@ -93,8 +112,22 @@ def run(params: Params, args: argparse.Namespace) -> str:
         outputs["trace"] = args.trace
     write_run_record(args.run_record, inputs, outputs)
     shutil.rmtree(run_dir, ignore_errors=True)
-    resumed = f", resumed from {resume_from.name}" if resume_from else ""
     return f"trained -> {args.model}, run {identity[:12]}{resumed}"
+
+
+def stage_inputs(
+    params: Params,
+    data: Path,
+    environment: dict,
+    dvc_lock: Path | None,
+    settings: DeterminismSettings,
+) -> dict:
+    """This stage's run inputs (so its run ID); under DDP it fixes each rank's threads first."""
+    cfg = params.train
+    if cfg.strategy == "ddp":
+        set_threads_per_rank(cfg.devices)
+    layout = distributed_layout(cfg.strategy, cfg.accelerator, cfg.devices, cfg.num_nodes)
+    return run_inputs(__name__, params, PARAMS, data, environment, dvc_lock, settings, layout)
 
 
 def _check_lock(lock: dict, mode: object) -> None:
@@ -147,18 +180,25 @@ def fit(
     and ``resume_from`` continues from one. The random state rides along
     unless ``random_state=False``, which exists for the negative control
     (resume then differs) and the overhead benchmark. A ``tracer`` records
-    per-step fingerprints (its rows are checkpointed too).
+    per-step fingerprints (its rows are checkpointed too). Under DDP the
+    ranks must agree on ``identity`` and ``resume_from`` before the first step.
     """
-    module = Classifier(params.model, params.train, data.input_shape, data.num_classes)
+    cfg = params.train
+    ddp = cfg.strategy == "ddp"
+    module = Classifier(params.model, cfg, data.input_shape, data.num_classes)
     datamodule = PreparedDataModule(
         data,
         batch_size=params.data.batch_size,
         num_workers=params.data.num_workers,
         augment=params.data.augment,
         seed=params.seed,
+        shard=ddp,
     )
     logger = MemoryLogger()
     callbacks: list[L.Callback] = []
+    if ddp:
+        facts = {"run_id": identity, "resume_from": resume_from and resume_from.name}
+        callbacks.append(RankAgreement(facts, strict=settings.mode is True))
     if tracer is not None:
         callbacks.append(tracer)
     if checkpoint_dir is not None:
@@ -171,7 +211,7 @@ def fit(
                 filename="epoch={epoch}",
                 auto_insert_metric_name=False,
                 save_top_k=1,
-                every_n_epochs=params.train.checkpoint_every_n_epochs,
+                every_n_epochs=cfg.checkpoint_every_n_epochs,
                 enable_version_counter=False,
             ),
         ]
@@ -179,14 +219,19 @@ def fit(
     # and warns about the (expected) earlier checkpoints when a run resumes.
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    # Validation covers the whole split on every rank (see data.py): nothing to all-reduce.
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val_")
     interactive = sys.stderr.isatty() and not os.environ.get("CI")
     if not interactive:
         logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     trainer = L.Trainer(
-        accelerator=params.train.accelerator,
-        devices=params.train.devices,
-        precision=params.train.precision,
-        max_epochs=params.train.max_epochs,
+        accelerator=cfg.accelerator,
+        strategy=ddp_strategy(cfg.accelerator) if ddp else "auto",
+        devices=cfg.devices,
+        num_nodes=cfg.num_nodes,
+        use_distributed_sampler=False,  # the data module shards with a seeded sampler
+        precision=cfg.precision,
+        max_epochs=cfg.max_epochs,
         logger=logger,
         log_every_n_steps=1,
         callbacks=callbacks,

@@ -1,0 +1,196 @@
+"""DDP on Lightning's engine: 2 CPU processes (gloo) rerun to the same bits, rank by rank."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from reprotrain.determinism import DeterminismError
+from reprotrain.distributed import RankAgreement, distributed_layout
+from reprotrain.environment import capture_environment, collective_variables
+from reprotrain.hashing import sha256_file
+from reprotrain.pipeline.config import ConfigError, load_params
+from reprotrain.pipeline.data import ShardSampler
+from reprotrain.trace import load_trace
+from tests.helpers import ROOT, kill_after_checkpoint, run_cli
+
+DDP2 = ("-S", "train.strategy=ddp", "-S", "train.devices=2")
+DDP1 = ("-S", "train.strategy=ddp", "-S", "train.devices=1")
+#: Forward noise on rank 1 only, from its 4th step on (step 3): see tests/inject.
+NOISE_ON_RANK_1 = {
+    "PYTHONPATH": str(ROOT / "tests" / "inject"),
+    "REPROTRAIN_TEST_NOISE_FROM_STEP": "3",
+    "REPROTRAIN_TEST_NOISE_RANK": "1",
+    "REPROTRAIN_TEST_NOISE_IN": "forward",
+}
+OUTPUTS = ("model.safetensors", "trace.safetensors", "run.json", "metrics.json")
+
+
+def _argv(prepared: Path, env: Path, out: Path, *overrides: str) -> list[str | Path]:
+    return [
+        "train",
+        *("--params", ROOT / "params.yaml", "-S", "train.max_epochs=3"),
+        *("-S", "train.checkpoint_every_n_epochs=1", *overrides),
+        *("--data", prepared, "--env", env, "--checkpoints", out / "ckpt"),
+        *("--model", out / "model.safetensors", "--trace", out / "trace.safetensors"),
+        *("--metrics", out / "metrics.json", "--plots", out / "plots"),
+        *("--run-record", out / "run.json"),
+    ]
+
+
+def _train(prepared: Path, env: Path, out: Path, *overrides: str, **variables: str) -> Path:
+    """One training in a fresh `reprotrain` process (which starts the other ranks)."""
+    out.mkdir()
+    result = run_cli(*_argv(prepared, env, out, *overrides), cwd=out, **variables)
+    assert result.returncode == 0, result.stderr
+    shutil.copy(env, out / "environment.json")  # a flat run folder, as compare reads it
+    (out / "stdout.txt").write_text(result.stdout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(
+    prepared: Path, env_record: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("ddp")
+    train = lambda name, *o, **v: _train(prepared, env_record, base / name, *o, **v)  # noqa: E731
+    return {
+        "a": train("a", *DDP2),
+        "b": train("b", *DDP2),
+        "one": train("one", *DDP1),
+        "noisy_a": train("noisy_a", *DDP2, **NOISE_ON_RANK_1),
+        "noisy_b": train("noisy_b", *DDP2, **NOISE_ON_RANK_1),
+    }
+
+
+def _compare(a: Path, b: Path, *extra: str) -> str:
+    result = run_cli("compare", a, b, *extra, cwd=a)
+    return result.stdout + result.stderr
+
+
+def test_two_process_ddp_reruns_give_identical_weights_and_traces(runs: dict[str, Path]) -> None:
+    for name in OUTPUTS:
+        assert sha256_file(runs["a"] / name) == sha256_file(runs["b"] / name), name
+    assert "IDENTICAL: the same bits" in _compare(runs["a"], runs["b"])
+
+
+def test_trace_holds_every_rank_and_the_ranks_saw_different_data(runs: dict[str, Path]) -> None:
+    trace = load_trace(runs["a"] / "trace.safetensors")
+    assert trace.world_size == 2
+    rank0, rank1 = trace.of_rank(0), trace.of_rank(1)
+    assert rank0.num_steps == rank1.num_steps > 0
+    assert list(rank0.step) == list(rank1.step)
+    assert trace.num_steps == 2 * rank0.num_steps
+    # Disjoint shares of the data: no step trains both ranks on the same batch.
+    assert not (rank0.records["batch"] == rank1.records["batch"]).any()
+    assert rank0.initial_params == rank1.initial_params  # DDP starts every rank alike
+
+
+def test_only_rank_zero_writes_the_outputs(runs: dict[str, Path]) -> None:
+    printed = (runs["a"] / "stdout.txt").read_text().splitlines()
+    assert sum("trained -> " in line for line in printed) == 1
+    assert sum("rank 1 trained run" in line for line in printed) == 1
+    assert not list((runs["a"] / "ckpt").rglob("*.ckpt")), "checkpoints are dropped after success"
+
+
+def test_world_size_is_in_the_run_id_and_compare_says_why(runs: dict[str, Path]) -> None:
+    one, two = (json.loads((runs[n] / "run.json").read_text()) for n in ("one", "a"))
+    assert one["run_id"] != two["run_id"]
+    assert one["inputs"]["distributed"]["world_size"] == 1
+    assert two["inputs"]["distributed"]["world_size"] == 2
+    assert two["inputs"]["distributed"]["backend"] == "gloo"
+    text = _compare(runs["one"], runs["a"])
+    assert "different run IDs" in text
+    assert "distributed.world_size: 1 -> 2" in text
+    assert "traces of world size 1 vs 2" in text
+
+
+def test_compare_names_the_first_diverging_rank_and_step(runs: dict[str, Path]) -> None:
+    assert sha256_file(runs["noisy_a"] / "model.safetensors") != sha256_file(
+        runs["noisy_b"] / "model.safetensors"
+    )
+    text = _compare(runs["noisy_a"], runs["noisy_b"])
+    assert "traces diverge at step 3 on rank 1 of 2" in text
+    assert "loss differs first" in text
+    report = json.loads(_compare(runs["noisy_a"], runs["noisy_b"], "--json"))
+    assert (report["trace"]["rank"], report["trace"]["first_step"]) == (1, 3)
+
+
+def test_killed_ddp_run_resumes_to_the_same_bits(
+    runs: dict[str, Path], prepared: Path, env_record: Path, tmp_path: Path
+) -> None:
+    argv = [str(a) for a in _argv(prepared, env_record, tmp_path, *DDP2)]
+    kill_after_checkpoint(argv, tmp_path / "ckpt", 0, tmp_path)
+    result = run_cli(*argv, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "resumed from epoch=" in result.stdout
+    for name in OUTPUTS:
+        assert sha256_file(tmp_path / name) == sha256_file(runs["a"] / name), name
+
+
+# -- the parts, without processes ---------------------------------------------------------
+
+
+def test_rank_shares_are_disjoint_seeded_and_follow_the_generator() -> None:
+    def shares(seed: int, size: int = 10, epochs: int = 2) -> list[list[list[int]]]:
+        """Per epoch, each rank's share; each rank has its own generator, seeded alike."""
+        samplers = [ShardSampler(size, r, 2, torch.Generator().manual_seed(seed)) for r in (0, 1)]
+        return [[list(s) for s in samplers] for _ in range(epochs)]
+
+    first, second = shares(1)
+    assert sorted(first[0] + first[1]) == list(range(10))
+    assert first != second  # reshuffled each epoch
+    assert shares(1) == [first, second]
+    assert shares(2)[0] != first
+    odd = shares(1, size=7)[0]
+    assert len(odd[0]) == len(odd[1]) == 4 and set(odd[0] + odd[1]) == set(range(7))
+
+
+def test_more_than_one_device_needs_the_ddp_strategy() -> None:
+    with pytest.raises(ConfigError, match=r"train\.strategy: got 'single_device'.*ddp"):
+        load_params(ROOT / "params.yaml", ["train.devices=2"])
+    with pytest.raises(ConfigError, match=r"train\.strategy"):
+        load_params(ROOT / "params.yaml", ["train.num_nodes=2"])
+    assert load_params(ROOT / "params.yaml", ["train.devices=2", "train.strategy=ddp"])
+
+
+def test_nccl_settings_are_in_the_environment_record_and_the_layout(monkeypatch) -> None:
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    monkeypatch.setenv("NCCL_NTHREADS", "256")
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")  # logging only: left out
+    assert collective_variables() == {"NCCL_ALGO": "Ring", "NCCL_NTHREADS": "256"}
+    assert capture_environment(None)["variables"]["NCCL_NTHREADS"] == "256"
+    pinned = distributed_layout("ddp", "gpu", 8, 2)
+    assert pinned["collective_variables"]["NCCL_ALGO"] == "Ring"
+    assert (pinned["world_size"], pinned["backend"]) == (16, "nccl")
+    monkeypatch.delenv("NCCL_ALGO")
+    assert distributed_layout("ddp", "gpu", 8, 2) != pinned
+
+
+def test_ranks_that_disagree_all_stop_with_one_message(monkeypatch) -> None:
+    facts = [{"run_id": "aaa", "resume_from": None}, {"run_id": "bbb", "resume_from": None}]
+    monkeypatch.setattr("reprotrain.distributed.gather_from_ranks", lambda _: facts)
+    with pytest.raises(DeterminismError, match=r"rank 1 has run_id='bbb' \(rank 0: 'aaa'\)"):
+        RankAgreement(facts[0]).setup(None, None, "fit")  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match="ranks disagree"):
+        RankAgreement(facts[0], strict=False).setup(None, None, "fit")  # type: ignore[arg-type]
+    agreeing = [facts[0], dict(facts[0])]
+    monkeypatch.setattr("reprotrain.distributed.gather_from_ranks", lambda _: agreeing)
+    RankAgreement(facts[0]).setup(None, None, "fit")  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_one_gpu_ddp_twice_gives_identical_bits(repo_copy: Path, tmp_path: Path) -> None:
+    result = run_cli(
+        "verify",
+        *("-S", "train.accelerator=gpu", *DDP1, "-S", "train.max_epochs=1"),
+        *("--workdir", tmp_path / "w"),
+        cwd=repo_copy,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "IDENTICAL (2 runs)" in result.stdout
