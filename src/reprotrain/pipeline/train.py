@@ -31,6 +31,7 @@ import os
 import shutil
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
@@ -172,6 +173,7 @@ def fit(
     resume_from: Path | None = None,
     random_state: bool = True,
     tracer: TraceCallback | None = None,
+    extra_callbacks: Sequence[L.Callback] = (),
 ) -> tuple[Classifier, MemoryLogger]:
     """Build the model and data module from ``params`` and fit them with Lightning.
 
@@ -180,7 +182,8 @@ def fit(
     and ``resume_from`` continues from one. The random state rides along
     unless ``random_state=False``, which exists for the negative control
     (resume then differs) and the overhead benchmark. A ``tracer`` records
-    per-step fingerprints (its rows are checkpointed too). Under DDP the
+    per-step fingerprints (its rows are checkpointed too); ``extra_callbacks``
+    are for measurements (``benchmarks/``). Under DDP the
     ranks must agree on ``identity`` and ``resume_from`` before the first step.
     """
     cfg = params.train
@@ -195,7 +198,7 @@ def fit(
         shard=ddp,
     )
     logger = MemoryLogger()
-    callbacks: list[L.Callback] = []
+    callbacks: list[L.Callback] = list(extra_callbacks)
     if ddp:
         facts = {"run_id": identity, "resume_from": resume_from and resume_from.name}
         callbacks.append(RankAgreement(facts, strict=settings.mode is True))
