@@ -132,6 +132,16 @@ def test_killed_ddp_run_resumes_to_the_same_bits(
         assert sha256_file(tmp_path / name) == sha256_file(runs["a"] / name), name
 
 
+def test_a_rank_with_another_run_id_stops_every_rank_before_training(
+    prepared: Path, env_record: Path, tmp_path: Path
+) -> None:
+    skew = {"PYTHONPATH": str(ROOT / "tests" / "inject"), "REPROTRAIN_TEST_SKEW_RANK": "1"}
+    result = run_cli(*_argv(prepared, env_record, tmp_path, *DDP2), cwd=tmp_path, **skew)
+    assert result.returncode == 3, result.stderr
+    assert "ranks disagree on what they run: rank 1 has run_id=" in result.stderr
+    assert not any(tmp_path.glob("*.safetensors")) and not (tmp_path / "run.json").exists()
+
+
 # -- the parts, without processes ---------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ pass adds noise from an unseeded generator from its k-th training call on. That 
 stand-in for a non-deterministic backward kernel, which verify, compare and locate must find.
 ``REPROTRAIN_TEST_NOISE_RANK=r`` limits it to DDP rank r; ``REPROTRAIN_TEST_NOISE_IN=forward``
 adds the noise to the forward pass instead (a difference that stays on that rank's loss).
+``REPROTRAIN_TEST_SKEW_RANK=r`` gives rank r other run inputs (so another run ID).
 """
 
 from __future__ import annotations
@@ -62,3 +63,18 @@ if FROM_STEP is not None:
         return nn.Sequential(*layers)
 
     pipeline_model.build_network = build_network
+
+if os.environ.get("REPROTRAIN_TEST_SKEW_RANK") is not None:
+    # Rank r computes its run inputs with one extra field, as a node with other code would.
+    import reprotrain.pipeline.train as pipeline_train
+
+    skewed_rank = os.environ["REPROTRAIN_TEST_SKEW_RANK"]
+    original_inputs = pipeline_train.stage_inputs
+
+    def stage_inputs(*args: object, **kwargs: object) -> dict:
+        inputs = original_inputs(*args, **kwargs)
+        if os.environ.get("LOCAL_RANK", "0") == skewed_rank:
+            inputs["skew"] = True
+        return inputs
+
+    pipeline_train.stage_inputs = stage_inputs
