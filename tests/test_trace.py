@@ -26,14 +26,13 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from reprotrain.compare import compare_traces
 from reprotrain.determinism import configure_determinism
+from reprotrain.fingerprints import fingerprint, tensor_bytes
 from reprotrain.trace import (
     DEFAULT_WEIGHTS_EVERY,
     RECORDS,
     TraceCallback,
-    fingerprint,
     load_trace,
     rng_states,
-    tensor_bytes,
 )
 
 STEPS_PER_EPOCH = 8

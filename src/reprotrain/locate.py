@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from reprotrain.trace import tensor_bytes
+from reprotrain.fingerprints import tensor_bytes
 
 Tensors = list[torch.Tensor | None]
 
