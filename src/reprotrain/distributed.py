@@ -31,7 +31,8 @@ or GPU): every rank gathers every rank's facts after the process group is up.
 
 :func:`gather_from_ranks` is how per-rank state reaches rank 0: the random
 state in checkpoints (``reprotrain.resume``) and the per-rank trace
-(``reprotrain.trace``). It works unchanged in a single process.
+(``reprotrain.trace``); :func:`own_entry` picks each rank's own back out. Both
+work unchanged in a single process.
 """
 
 from __future__ import annotations
@@ -121,6 +122,19 @@ def gather_from_ranks(obj: Any) -> list[Any]:
     gathered: list[Any] = [None] * world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def own_entry(entries: list[Any], what: str, error: type[Exception] = ValueError) -> Any:
+    """This rank's item of a :func:`gather_from_ranks` list read back (from a checkpoint).
+
+    Raises ``error`` when the list was gathered under another world size.
+    """
+    if len(entries) != world_size():
+        raise error(
+            f"{what} of {len(entries)} ranks, this run has {world_size()}: resume with the "
+            "world size it was written with"
+        )
+    return entries[this_rank()]
 
 
 class RankAgreement(Callback):

@@ -40,7 +40,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from reprotrain.atomic import atomic_path, atomic_write_text
-from reprotrain.distributed import gather_from_ranks, this_rank, world_size
+from reprotrain.distributed import gather_from_ranks, own_entry
 from reprotrain.hashing import sha256_file
 
 RUN_ID_KEY = "reprotrain_run_id"
@@ -145,13 +145,9 @@ class RandomStateCallback(L.Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.restore:
             return
-        ranks = state["ranks"]
-        if len(ranks) != world_size():
-            raise CheckpointError(
-                f"checkpoint holds the random state of {len(ranks)} ranks, this run has "
-                f"{world_size()}: resume with the world size it was written with"
-            )
-        self._restore(ranks[this_rank()])
+        self._restore(
+            own_entry(state["ranks"], "checkpoint holds the random state", CheckpointError)
+        )
 
     def _local_state(self) -> dict[str, Any]:
         kind, keys, pos, has_gauss, cached = np.random.get_state()

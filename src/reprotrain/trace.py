@@ -46,7 +46,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.optim import Optimizer
 
 from reprotrain.atomic import atomic_path
-from reprotrain.distributed import gather_from_ranks, this_rank, world_size
+from reprotrain.distributed import gather_from_ranks, own_entry
 from reprotrain.fingerprints import fingerprints
 from reprotrain.hashing import load_safetensors, safetensors_metadata
 
@@ -192,6 +192,7 @@ class TraceCallback(Callback):
         self._flushed: list[np.ndarray] = []
         self._host: list[list[int]] = []  # step, epoch, batch_idx, traced, rng, rng sources
         self._grads: torch.Tensor | None = None
+        self._gathered: list[dict[str, Any]] | None = None  # every rank's rows, at the end
         if self._restored is not None:  # resuming: keep the rows of the steps already run
             self._continue(self._restored)
             return
@@ -217,10 +218,7 @@ class TraceCallback(Callback):
         self._restored = state_dict
 
     def _continue(self, restored: dict[str, Any]) -> None:
-        ranks = restored["ranks"]
-        if len(ranks) != world_size():
-            raise ValueError(f"checkpoint traced {len(ranks)} ranks, this run has {world_size()}")
-        state = ranks[this_rank()]
+        state = own_entry(restored["ranks"], "checkpoint holds the trace rows")
         if state["settings"] != [self.detail, self.weights_every]:
             raise ValueError(
                 f"checkpoint traced with detail/weights_every {state['settings']}, "
@@ -301,7 +299,7 @@ class TraceCallback(Callback):
         """
         from safetensors.torch import save_file
 
-        ranks = getattr(self, "_gathered", None) or [self._local_state()]
+        ranks = self._gathered or [self._local_state()]
         parts = [self._tensors(state) for state in ranks]
         tensors = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
         tensors["rank"] = torch.cat(

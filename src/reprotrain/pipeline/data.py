@@ -141,26 +141,26 @@ class PreparedDataModule(L.LightningDataModule):
         if not self.shard:
             return self._loader(dataset, shuffle=True)
         rank, ranks = self.trainer.global_rank, self.trainer.world_size
-        sampler = ShardSampler(len(dataset), rank, ranks, self.train_generator)
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            num_workers=self.num_workers,
-            generator=self.train_generator,  # seeds the workers
+        return self._loader(
+            dataset, sampler=ShardSampler(len(dataset), rank, ranks, self.train_generator)
         )
 
     def val_dataloader(self) -> DataLoader:
         x, y = self.data.split("val")
-        return self._loader(ShiftedImages(x, y, augment=False), shuffle=False)
+        return self._loader(ShiftedImages(x, y, augment=False))
 
-    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
+    def _loader(
+        self, dataset: Dataset, shuffle: bool = False, sampler: Sampler[int] | None = None
+    ) -> DataLoader:
+        """Training loaders (shuffled or sharded) take ``train_generator``, which seeds workers."""
+        training = shuffle or sampler is not None
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
+            sampler=sampler,
             num_workers=self.num_workers,
-            generator=self.train_generator if shuffle else None,
+            generator=self.train_generator if training else None,
         )
 
 

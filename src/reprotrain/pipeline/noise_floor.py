@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +33,14 @@ from reprotrain.atomic import atomic_write_text
 from reprotrain.compare import compare_traces
 from reprotrain.hashing import canonical_json, load_safetensors
 from reprotrain.pipeline.config import add_override_option
-from reprotrain.pipeline.env import record_environment
 from reprotrain.pipeline.errors import DataError
-from reprotrain.pipeline.reruns import ensure_prepared, train_fresh
+from reprotrain.pipeline.reruns import rerun_workspace, train_fresh
 from reprotrain.pipeline.runs import (
     FLAT,
     METRICS,
     compare_runs,
     run_in_folder,
 )
-from reprotrain.pipeline.stages import stage_arguments
 from reprotrain.trace import load_trace
 
 PARAMS: tuple[str, ...] = ()
@@ -68,13 +65,9 @@ def run(_: object, args: argparse.Namespace) -> int:
             "-S deterministic=...: noise-floor sets `deterministic` itself (false, then true); "
             "drop that override"
         )
-    train_args = stage_arguments("train", args.dvc_yaml)
-    ensure_prepared(train_args.data, "noise-floor")
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="reprotrain-noise-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    environment = workdir / FLAT["environment"]
-    record = record_environment(stage_arguments("env", args.dvc_yaml).lock)
-    atomic_write_text(environment, canonical_json(record))
+    train_args, workdir, environment, record = rerun_workspace(
+        args.dvc_yaml, args.workdir, "noise-floor"
+    )
 
     modes: dict[str, Any] = {}
     for name, value in MODES.items():

@@ -15,10 +15,41 @@ import argparse
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any, NamedTuple
 
+from reprotrain.atomic import atomic_write_text
+from reprotrain.hashing import canonical_json
+from reprotrain.pipeline.env import record_environment
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.runs import FLAT, METRICS
+from reprotrain.pipeline.stages import stage_arguments
+
+
+class Workspace(NamedTuple):
+    """Where fresh runs go: the train stage's arguments, a folder, this machine's record."""
+
+    train_args: argparse.Namespace
+    folder: Path
+    environment: Path  # the record below, written in ``folder``, which each run trains with
+    record: dict[str, Any]
+
+
+def rerun_workspace(dvc_yaml: Path, folder: Path | None, command: str) -> Workspace:
+    """Ready ``folder`` (default: a new temporary one) for fresh runs of the train stage.
+
+    Prepares the data if it is missing and writes the environment record the
+    ``env`` stage would write now (same lock), which every run trains with.
+    """
+    train_args = stage_arguments("train", dvc_yaml)
+    ensure_prepared(train_args.data, command)
+    folder = folder or Path(tempfile.mkdtemp(prefix=f"reprotrain-{command}-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    environment = folder / FLAT["environment"]
+    record = record_environment(stage_arguments("env", dvc_yaml).lock)
+    atomic_write_text(environment, canonical_json(record))
+    return Workspace(train_args, folder, environment, record)
 
 
 def ensure_prepared(data: Path, command: str) -> None:

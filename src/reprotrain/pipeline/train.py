@@ -104,8 +104,8 @@ def run(params: Params, args: argparse.Namespace) -> str:
     tracer = TraceCallback(None, detail=params.train.trace) if args.trace else None
     module, logger = fit(params, data, settings, run_dir, identity, resume_from, tracer=tracer)
     resumed = f", resumed from {resume_from.name}" if resume_from else ""
-    if this_rank() != 0:
-        return f"rank {this_rank()} trained run {identity[:12]}{resumed}; rank 0 writes"
+    if (rank := this_rank()) != 0:
+        return f"rank {rank} trained run {identity[:12]}{resumed}; rank 0 writes"
 
     outputs = _write_outputs(args, params, data, settings, module, logger)
     if tracer is not None:

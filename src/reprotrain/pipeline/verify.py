@@ -24,27 +24,22 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from reprotrain.atomic import atomic_write_text
 from reprotrain.envdiff import compare_environments
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.config import add_override_option
-from reprotrain.pipeline.env import record_environment
 from reprotrain.pipeline.errors import DataError
-from reprotrain.pipeline.reruns import ensure_prepared, train_fresh
+from reprotrain.pipeline.reruns import rerun_workspace, train_fresh
 from reprotrain.pipeline.run_record import load_environment
 from reprotrain.pipeline.runs import (
-    FLAT,
     RunComparison,
     RunFiles,
     compare_runs,
     find_run,
     run_in_folder,
 )
-from reprotrain.pipeline.stages import stage_arguments
 
 PARAMS: tuple[str, ...] = ()
 EXIT_DIFFERENT = 1
@@ -70,13 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(_: object, args: argparse.Namespace) -> int:
     if args.runs < 2 and not args.against:
         raise DataError(f"--runs {args.runs}: verify needs at least 2 runs to compare")
-    train_args = stage_arguments("train", args.dvc_yaml)
-    ensure_prepared(train_args.data, "verify")
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="reprotrain-verify-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    environment = workdir / FLAT["environment"]
-    record = record_environment(stage_arguments("env", args.dvc_yaml).lock)
-    atomic_write_text(environment, canonical_json(record))
+    train_args, workdir, environment, record = rerun_workspace(
+        args.dvc_yaml, args.workdir, "verify"
+    )
 
     runs = args.runs
     reference = None
