@@ -38,6 +38,18 @@ def run_cli(*args: str | Path, cwd: Path, **env: str) -> subprocess.CompletedPro
     )
 
 
+def train_argv(prepared: Path, env: Path, out: Path, *overrides: str) -> list[str]:
+    """`reprotrain train` arguments writing a flat run folder ``out`` (as verify's runs)."""
+    return [
+        "train",
+        *("--params", str(ROOT / "params.yaml"), *overrides),
+        *("--data", str(prepared), "--env", str(env), "--checkpoints", str(out / "ckpt")),
+        *("--model", str(out / "model.safetensors"), "--trace", str(out / "trace.safetensors")),
+        *("--metrics", str(out / "metrics.json"), "--plots", str(out / "plots")),
+        *("--run-record", str(out / "run.json")),
+    ]
+
+
 def run_in_process(*args: str | Path) -> subprocess.CompletedProcess[str]:
     """`reprotrain ARGS` in this process: fast (no interpreter start, no torch import).
 

@@ -16,7 +16,7 @@ from reprotrain.hashing import sha256_file
 from reprotrain.pipeline.config import ConfigError, load_params
 from reprotrain.pipeline.data import ShardSampler
 from reprotrain.trace import load_trace
-from tests.helpers import ROOT, kill_after_checkpoint, run_cli
+from tests.helpers import ROOT, kill_after_checkpoint, run_cli, train_argv
 
 DDP2 = ("-S", "train.strategy=ddp", "-S", "train.devices=2")
 DDP1 = ("-S", "train.strategy=ddp", "-S", "train.devices=1")
@@ -30,16 +30,9 @@ NOISE_ON_RANK_1 = {
 OUTPUTS = ("model.safetensors", "trace.safetensors", "run.json", "metrics.json")
 
 
-def _argv(prepared: Path, env: Path, out: Path, *overrides: str) -> list[str | Path]:
-    return [
-        "train",
-        *("--params", ROOT / "params.yaml", "-S", "train.max_epochs=3"),
-        *("-S", "train.checkpoint_every_n_epochs=1", *overrides),
-        *("--data", prepared, "--env", env, "--checkpoints", out / "ckpt"),
-        *("--model", out / "model.safetensors", "--trace", out / "trace.safetensors"),
-        *("--metrics", out / "metrics.json", "--plots", out / "plots"),
-        *("--run-record", out / "run.json"),
-    ]
+def _argv(prepared: Path, env: Path, out: Path, *overrides: str) -> list[str]:
+    epochs = ("-S", "train.max_epochs=3", "-S", "train.checkpoint_every_n_epochs=1")
+    return train_argv(prepared, env, out, *epochs, *overrides)
 
 
 def _train(prepared: Path, env: Path, out: Path, *overrides: str, **variables: str) -> Path:
@@ -123,7 +116,7 @@ def test_compare_names_the_first_diverging_rank_and_step(runs: dict[str, Path]) 
 def test_killed_ddp_run_resumes_to_the_same_bits(
     runs: dict[str, Path], prepared: Path, env_record: Path, tmp_path: Path
 ) -> None:
-    argv = [str(a) for a in _argv(prepared, env_record, tmp_path, *DDP2)]
+    argv = _argv(prepared, env_record, tmp_path, *DDP2)
     kill_after_checkpoint(argv, tmp_path / "ckpt", 0, tmp_path)
     result = run_cli(*argv, cwd=tmp_path)
     assert result.returncode == 0, result.stderr

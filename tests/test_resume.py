@@ -26,6 +26,7 @@ from tests.helpers import (
     kill_tree,
     run_checked,
     run_cli,
+    train_argv,
 )
 
 EPOCHS = 4
@@ -60,28 +61,8 @@ def test_resume_without_the_random_state_differs(prepared: Path, tmp_path: Path)
 
 
 def _train_argv(prepared: Path, out: Path, env: Path) -> list[str]:
-    return [
-        "train",
-        "--params",
-        str(ROOT / "params.yaml"),
-        *("-S", f"train.max_epochs={EPOCHS}", "-S", "train.checkpoint_every_n_epochs=1"),
-        "--data",
-        str(prepared),
-        "--env",
-        str(env),
-        "--checkpoints",
-        str(out / "ckpt"),
-        "--model",
-        str(out / "model.safetensors"),
-        "--metrics",
-        str(out / "metrics.json"),
-        "--plots",
-        str(out / "plots"),
-        "--run-record",
-        str(out / "run.json"),
-        "--trace",
-        str(out / "trace.safetensors"),
-    ]
+    epochs = ("-S", f"train.max_epochs={EPOCHS}", "-S", "train.checkpoint_every_n_epochs=1")
+    return train_argv(prepared, env, out, *epochs)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from reprotrain.hashing import fingerprint_state_dict, load_safetensors, sha256_file
-from tests.helpers import ROOT, run_cli
+from tests.helpers import run_cli, train_argv
 
 EPOCHS = "3"
 
@@ -17,25 +17,8 @@ EPOCHS = "3"
 def _train(prepared: Path, env: Path, out: Path, *overrides: str) -> Path:
     """Train in a fresh `reprotrain` process (default num_workers=2); return its folder."""
     out.mkdir()
-    result = run_cli(
-        "train",
-        "--params",
-        ROOT / "params.yaml",
-        "-S",
-        f"train.max_epochs={EPOCHS}",
-        *overrides,
-        "--data",
-        prepared,
-        "--model",
-        out / "model.safetensors",
-        "--metrics",
-        out / "metrics.json",
-        "--plots",
-        out / "plots",
-        *("--env", env, "--run-record", out / "run.json", "--checkpoints", out / "ckpt"),
-        *("--trace", out / "trace.safetensors"),
-        cwd=out,
-    )
+    epochs = ("-S", f"train.max_epochs={EPOCHS}")
+    result = run_cli(*train_argv(prepared, env, out, *epochs, *overrides), cwd=out)
     assert result.returncode == 0, result.stderr
     return out
 
