@@ -17,7 +17,7 @@ DOCKER ?= docker
 IMAGE ?= reprotrain:latest
 BASE_IMAGE ?=
 
-.PHONY: help venv repro test test-gpu test-container verify lint format lock bench ops clean \
+.PHONY: help venv repro test test-slow test-gpu test-container verify lint format lock bench ops clean \
 	image docker-repro docker-verify
 
 help: ## List the targets
@@ -42,8 +42,11 @@ repro: venv ## Run the pipeline (dvc repro) on the embedded default data
 # fixtures (a training run shared by a file's tests) are built once.
 PYTEST_PARALLEL ?= -n auto --dist loadfile
 
-test: venv lint ## Lint, then run the test suite (not the container build)
+test: venv lint ## Lint, then run the quick test suite (not the slow ones, not the container build)
 	$(BIN)/pytest $(PYTEST_PARALLEL)
+
+test-slow: venv ## Run the tests marked slow: kill points, DDP process groups, extra pipeline runs
+	$(BIN)/pytest $(PYTEST_PARALLEL) -m slow
 
 test-gpu: venv ## Run the GPU tests (marked `gpu`; they skip without CUDA)
 	$(BIN)/pytest -m gpu

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from reprotrain.hashing import canonical_json
-from reprotrain.pipeline import prepare
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.data import save_prepared
-from reprotrain.pipeline.env import record_environment
+from reprotrain.pipeline.stages import prepare
+from reprotrain.pipeline.stages.env import record_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -48,9 +48,9 @@ def _train_once(data: Path, devices: int, batch: int, epochs: int) -> None:
     """One training; Lightning starts the other ranks by rerunning this script."""
     from reprotrain.determinism import configure_determinism
     from reprotrain.distributed import set_threads_per_rank, this_rank
-    from reprotrain.pipeline import train
     from reprotrain.pipeline.config import load_params
     from reprotrain.pipeline.data import load_prepared
+    from reprotrain.pipeline.stages import train
 
     overrides = ["train.strategy=ddp", f"train.devices={devices}", f"train.max_epochs={epochs}"]
     params = load_params(ROOT / "params.yaml", [*overrides, f"data.batch_size={batch}"])

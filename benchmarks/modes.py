@@ -21,8 +21,8 @@ import torch
 from _workspace import ROOT, train_workspace
 from reprotrain.determinism import reexec_with_fixed_hash_seed
 from reprotrain.hashing import sha256_file
-from reprotrain.pipeline import train
 from reprotrain.pipeline.config import load_params
+from reprotrain.pipeline.stages import train
 
 
 def main() -> None:

@@ -25,10 +25,10 @@ import lightning as L
 
 from _workspace import ROOT, train_workspace
 from reprotrain.determinism import reexec_with_fixed_hash_seed
-from reprotrain.pipeline import train
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import PreparedDataModule, load_prepared
 from reprotrain.pipeline.model import Classifier
+from reprotrain.pipeline.stages import train
 
 
 def overrides_as_flags(overrides: list[str]) -> list[str]:

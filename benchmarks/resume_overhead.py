@@ -24,9 +24,9 @@ import torch
 
 from _workspace import ROOT, train_workspace
 from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
-from reprotrain.pipeline import train
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import load_prepared
+from reprotrain.pipeline.stages import train
 from reprotrain.resume import RandomStateCallback
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,12 +60,27 @@ def restore_torch_flags() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def dvc_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of this checkout after `dvc repro`, with the results committed. Do not modify."""
-    repo = copy_checkout(tmp_path_factory.mktemp("repo"))
-    run_checked("dvc", "repro", cwd=repo)
-    commit_all(repo, "results")
-    return repo
+def dvc_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """A copy of this checkout after `dvc repro`, with the results committed. Do not modify.
+
+    Built once per pytest run: the first xdist worker to ask runs `dvc repro` in
+    the run's shared temp folder; every worker then gets its own copy, so no two
+    workers' git or DVC commands touch one repository at once.
+    """
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        shared = shared.parent
+    built = shared / "dvc_repo"
+    with (shared / "dvc_repo.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (shared / "dvc_repo.done").exists():
+            shutil.rmtree(built, ignore_errors=True)
+            built.mkdir()
+            copy_checkout(built)
+            run_checked("dvc", "repro", cwd=built)
+            commit_all(built, "results")
+            (shared / "dvc_repo.done").touch()
+    return Path(shutil.copytree(built, tmp_path_factory.mktemp("repo") / "r", symlinks=True))
 
 
 @pytest.fixture

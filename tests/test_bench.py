@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reprotrain.pipeline.bench import effect_pct
+from reprotrain.commands.bench import effect_pct
 from tests.helpers import ROOT, run_cli, run_in_process
 
 

@@ -16,17 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from reprotrain.compare import (
-    DIAGNOSES,
-    ComparisonReport,
-    compare_environments,
-    compare_traces,
-    compare_weights,
-    plot_losses,
-)
-from reprotrain.envdiff import classify_env_key
+from reprotrain.diffreport import ComparisonReport
+from reprotrain.envdiff import classify_env_key, compare_environments
 from reprotrain.hashing import canonical_json
 from reprotrain.trace import Trace, load_trace
+from reprotrain.tracediff import DIAGNOSES, compare_traces, plot_losses
+from reprotrain.weightdiff import compare_weights
 from tests.test_trace import (
     BATCH_SIZE,
     STEPS_PER_EPOCH,

@@ -65,12 +65,14 @@ def _compare(a: Path, b: Path, *extra: str) -> str:
     return result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_two_process_ddp_reruns_give_identical_weights_and_traces(runs: dict[str, Path]) -> None:
     for name in OUTPUTS:
         assert sha256_file(runs["a"] / name) == sha256_file(runs["b"] / name), name
     assert "IDENTICAL: the same bits" in _compare(runs["a"], runs["b"])
 
 
+@pytest.mark.slow
 def test_trace_holds_every_rank_and_the_ranks_saw_different_data(runs: dict[str, Path]) -> None:
     trace = load_trace(runs["a"] / "trace.safetensors")
     assert trace.world_size == 2
@@ -83,6 +85,7 @@ def test_trace_holds_every_rank_and_the_ranks_saw_different_data(runs: dict[str,
     assert rank0.initial_params == rank1.initial_params  # DDP starts every rank alike
 
 
+@pytest.mark.slow
 def test_only_rank_zero_writes_the_outputs(runs: dict[str, Path]) -> None:
     printed = (runs["a"] / "stdout.txt").read_text().splitlines()
     assert sum("trained -> " in line for line in printed) == 1
@@ -90,6 +93,7 @@ def test_only_rank_zero_writes_the_outputs(runs: dict[str, Path]) -> None:
     assert not list((runs["a"] / "ckpt").rglob("*.ckpt")), "checkpoints are dropped after success"
 
 
+@pytest.mark.slow
 def test_world_size_is_in_the_run_id_and_compare_says_why(runs: dict[str, Path]) -> None:
     one, two = (json.loads((runs[n] / "run.json").read_text()) for n in ("one", "a"))
     assert one["run_id"] != two["run_id"]
@@ -102,6 +106,7 @@ def test_world_size_is_in_the_run_id_and_compare_says_why(runs: dict[str, Path])
     assert "traces of world size 1 vs 2" in text
 
 
+@pytest.mark.slow
 def test_compare_names_the_first_diverging_rank_and_step(runs: dict[str, Path]) -> None:
     assert sha256_file(runs["noisy_a"] / "model.safetensors") != sha256_file(
         runs["noisy_b"] / "model.safetensors"
@@ -113,6 +118,7 @@ def test_compare_names_the_first_diverging_rank_and_step(runs: dict[str, Path]) 
     assert (report["trace"]["rank"], report["trace"]["first_step"]) == (1, 3)
 
 
+@pytest.mark.slow
 def test_killed_ddp_run_resumes_to_the_same_bits(
     runs: dict[str, Path], prepared: Path, env_record: Path, tmp_path: Path
 ) -> None:
@@ -125,6 +131,7 @@ def test_killed_ddp_run_resumes_to_the_same_bits(
         assert sha256_file(tmp_path / name) == sha256_file(runs["a"] / name), name
 
 
+@pytest.mark.slow
 def test_a_rank_with_another_run_id_stops_every_rank_before_training(
     prepared: Path, env_record: Path, tmp_path: Path
 ) -> None:

@@ -111,7 +111,7 @@ def test_env_command_explains_which_differences_void_the_guarantee(tmp_path: Pat
 
 def test_env_stage_is_fast_because_it_never_imports_torch() -> None:
     code = (
-        "import sys; from reprotrain.pipeline.env import record_environment; "
+        "import sys; from reprotrain.pipeline.stages.env import record_environment; "
         f"record_environment(__import__('pathlib').Path({str(LOCK)!r})); "
         "print('torch' in sys.modules)"
     )

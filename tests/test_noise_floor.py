@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save_file
 
+from reprotrain.commands.noise_floor import measure_mode
 from reprotrain.hashing import load_safetensors
-from reprotrain.pipeline.noise_floor import measure_mode
 from tests.helpers import ROOT, run_cli, run_in_process
 
 

@@ -1,7 +1,7 @@
 """`dvc repro` end to end in a temporary copy of the repository.
 
-Slow by nature (full pipeline runs, a minute or two on two cores): it is the
-guarantee the product makes, so it runs in `make test`.
+Full pipeline runs: the guarantee the product makes, so the forced repro runs
+in `make test`; the experiment run (one more whole pipeline) is marked slow.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import run_checked
 
@@ -38,6 +40,7 @@ def test_plots_render_in_dvc_format(dvc_repo: Path) -> None:
     assert {"val_loss", "val_acc"} <= set(rows[0])
 
 
+@pytest.mark.slow
 def test_dvc_exp_run_with_a_param_override(repo_copy: Path) -> None:
     run_checked("dvc", "exp", "run", "-S", "seed=7", "--name", "seed7", cwd=repo_copy)
     shown = json.loads(run_checked("dvc", "exp", "show", "--json", cwd=repo_copy))

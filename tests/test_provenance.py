@@ -10,8 +10,8 @@ import pytest
 
 from reprotrain.determinism import configure_determinism
 from reprotrain.environment import capture_environment
-from reprotrain.pipeline import train
 from reprotrain.pipeline.config import load_params
+from reprotrain.pipeline.stages import train
 from reprotrain.provenance import (
     ChecksumError,
     code_hash,
@@ -74,7 +74,7 @@ def test_one_line_of_code_changes_the_code_hash(tmp_path: Path) -> None:
 
 
 def test_stage_source_files_are_its_import_closure() -> None:
-    names = {f.name for f in source_files("reprotrain.pipeline.train")}
+    names = {f.name for f in source_files("reprotrain.pipeline.stages.train")}
     assert {"train.py", "model.py", "determinism.py", "run_record.py"} <= names
     assert "cli.py" not in names and "evaluate.py" not in names
 
@@ -106,6 +106,7 @@ def test_dvc_md5_is_our_md5(dvc_repo: Path) -> None:
     assert verify_dvc_checksum(path, dvc_repo / "dvc.lock") == (md5_file(path), md5_file(path))
 
 
+@pytest.mark.slow
 def test_environment_change_retrains_and_no_change_does_not(repo_copy: Path) -> None:
     unchanged = run_checked("dvc", "repro", cwd=repo_copy)
     assert "Stage 'train' didn't change, skipping" in unchanged

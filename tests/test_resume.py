@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -14,9 +15,9 @@ import yaml
 
 from reprotrain.determinism import configure_determinism
 from reprotrain.hashing import fingerprint_state_dict, sha256_file
-from reprotrain.pipeline import train
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import load_prepared
+from reprotrain.pipeline.stages import train
 from reprotrain.resume import latest_checkpoint, sidecar
 from tests.helpers import (
     ROOT,
@@ -74,6 +75,7 @@ def straight_run(prepared: Path, env_record: Path, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_after_epoch", [0, 1])
 def test_kill_9_then_rerun_resumes_to_the_same_bits(
     kill_after_epoch: int, prepared: Path, env_record: Path, straight_run: Path, tmp_path: Path
@@ -93,18 +95,27 @@ def test_kill_9_then_rerun_resumes_to_the_same_bits(
     )
 
 
-def _interrupted_checkpoint(prepared: Path, env_record: Path, tmp_path: Path) -> tuple[list, Path]:
-    argv = _train_argv(prepared, tmp_path, env_record)
-    kill_after_checkpoint(argv, tmp_path / "ckpt", 0, tmp_path)
+@pytest.fixture(scope="module")
+def interrupted(prepared: Path, env_record: Path, tmp_path_factory) -> Path:
+    """A train run killed (SIGKILL) right after its first checkpoint; copy before changing it."""
+    out = tmp_path_factory.mktemp("interrupted")
+    kill_after_checkpoint(_train_argv(prepared, out, env_record), out / "ckpt", 0, out)
+    return out
+
+
+def _interrupted_checkpoint(
+    interrupted: Path, prepared: Path, env_record: Path, tmp_path: Path
+) -> tuple[list, Path]:
+    shutil.copytree(interrupted, tmp_path, dirs_exist_ok=True)
     ckpt = latest_checkpoint(next((tmp_path / "ckpt").iterdir()))
     assert ckpt is not None
-    return argv, ckpt
+    return _train_argv(prepared, tmp_path, env_record), ckpt
 
 
 def test_tampered_checkpoint_is_refused_unloaded(
-    prepared: Path, env_record: Path, tmp_path: Path
+    interrupted: Path, prepared: Path, env_record: Path, tmp_path: Path
 ) -> None:
-    argv, ckpt = _interrupted_checkpoint(prepared, env_record, tmp_path)
+    argv, ckpt = _interrupted_checkpoint(interrupted, prepared, env_record, tmp_path)
     blob = bytearray(ckpt.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     ckpt.write_bytes(bytes(blob))
@@ -114,10 +125,11 @@ def test_tampered_checkpoint_is_refused_unloaded(
     assert not (tmp_path / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_run_is_refused(
-    prepared: Path, env_record: Path, tmp_path: Path
+    interrupted: Path, prepared: Path, env_record: Path, tmp_path: Path
 ) -> None:
-    argv, ckpt = _interrupted_checkpoint(prepared, env_record, tmp_path)
+    argv, ckpt = _interrupted_checkpoint(interrupted, prepared, env_record, tmp_path)
     other = [*argv, "--seed", "7", "--checkpoints", str(tmp_path / "b")]
     result = run_cli(*other, cwd=tmp_path)
     assert result.returncode == 0  # a complete run B (another seed), to learn its run ID
@@ -133,6 +145,7 @@ def test_checkpoint_of_another_run_is_refused(
     assert sha256_file(tmp_path / "model.safetensors") == before
 
 
+@pytest.mark.slow
 def test_dvc_repro_after_an_interruption_resumes_to_the_reference_bits(
     repo_copy: Path, dvc_repo: Path
 ) -> None:

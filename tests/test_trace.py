@@ -24,9 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from reprotrain.compare import compare_traces
 from reprotrain.determinism import configure_determinism
-from reprotrain.fingerprints import fingerprint, tensor_bytes
+from reprotrain.devicehash import fingerprint, tensor_bytes
 from reprotrain.trace import (
     DEFAULT_WEIGHTS_EVERY,
     RECORDS,
@@ -34,6 +33,7 @@ from reprotrain.trace import (
     load_trace,
     rng_states,
 )
+from reprotrain.tracediff import compare_traces
 
 STEPS_PER_EPOCH = 8
 BATCH_SIZE = 8

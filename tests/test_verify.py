@@ -60,6 +60,7 @@ def test_verify_names_the_step_and_record_of_injected_noise(
     assert "non-deterministic kernel in the backward pass" in text.stdout
 
 
+@pytest.mark.slow
 def test_verify_against_a_revision_with_another_environment_reruns_instead(
     repo_copy: Path, tmp_path: Path
 ) -> None:
@@ -75,6 +76,7 @@ def test_verify_against_a_revision_with_another_environment_reruns_instead(
     assert "torch.version" in result.stdout and "IDENTICAL (2 runs)" in result.stdout
 
 
+@pytest.mark.slow
 def test_verify_against_the_committed_run_reproduces_it(repo_copy: Path) -> None:
     result = run_cli("verify", "--against", "HEAD", cwd=repo_copy)
     assert result.returncode == 0, result.stdout + result.stderr

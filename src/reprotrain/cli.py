@@ -1,8 +1,10 @@
 """The ``reprotrain`` command: the pipeline stages and the tools around them.
 
-Every sub-command is a module in :mod:`reprotrain.pipeline` with ``PARAMS``,
-``add_arguments`` and ``run``; only the chosen one is imported, so light
-commands (``env``) never pay for importing torch. ``run`` returns a one-line
+Every sub-command is a stage (:mod:`reprotrain.pipeline.stages`) or a command
+(:mod:`reprotrain.commands`) with ``PARAMS`` and ``run``; its arguments are
+defined in :mod:`reprotrain.pipeline.arguments`, which imports no torch, so
+``--help`` and argument errors answer at once, and only the chosen module is
+imported, after parsing. ``run`` returns a one-line
 summary to print, or an exit code when it printed its own output. Commands
 that train or configure determinism first restart the interpreter with
 ``PYTHONHASHSEED`` fixed, before torch is imported. Commands that read
@@ -23,23 +25,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from reprotrain.pipeline.config import add_override_option
+from reprotrain.pipeline.arguments import COMMANDS, add_override_option
 
-#: Sub-command -> one-line help. Each is the module reprotrain.pipeline.<name> ("-" -> "_").
-COMMANDS = {
-    "env": "record the environment that decides the bits",
-    "prepare": "materialise and split the dataset",
-    "train": "train the model deterministically",
-    "evaluate": "score the test split",
-    "fingerprint": "print the run ID the train stage would have now",
-    "checklist": "reproducibility checklist: pass / warn / fail per item",
-    "verify": "rerun training in fresh processes and check the bits are identical",
-    "compare": "compare two runs (folders or git revisions): where and why they differ",
-    "locate": "name the module whose output or gradient differs between two equal steps",
-    "noise-floor": "how far same-seed runs drift with determinism off and on",
-    "bench": "step-time cost of determinism and of cuDNN autotuning, paired and interleaved",
-    "ops": "catalog of ops with non-deterministic default paths, measured on this device",
-}
 #: Commands that need PYTHONHASHSEED fixed at interpreter start; `env` and
 #: `checklist` too, so the variables they record are the ones the stages run with.
 REEXEC = (
@@ -61,22 +48,20 @@ EXIT_NOT_DETERMINISTIC = 3
 
 
 def _module(name: str) -> ModuleType:
-    return importlib.import_module(f"reprotrain.pipeline.{name.replace('-', '_')}")
+    return importlib.import_module(COMMANDS[name].module)
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The argument parser; with ``only``, just that sub-command's module is imported."""
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every sub-command; it imports none of their modules."""
     parser = argparse.ArgumentParser(
         prog="reprotrain", description="Bitwise-reproducible Lightning training with DVC."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, summary in COMMANDS.items():
-        sub = commands.add_parser(name, help=summary, description=summary)
-        if only in (None, name):
-            module = _module(name)
-            if module.PARAMS:
-                add_param_options(sub)
-            module.add_arguments(sub)
+    for name, command in COMMANDS.items():
+        sub = commands.add_parser(name, help=command.summary, description=command.summary)
+        if command.takes_params:
+            add_param_options(sub)
+        command.add_arguments(sub)
     params = commands.add_parser("params", help="print the resolved params, or the defaults")
     add_param_options(params)
     params.add_argument("--defaults", action="store_true", help="print a default params.yaml")
@@ -108,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             from reprotrain.determinism import reexec_with_fixed_hash_seed
 
             reexec_with_fixed_hash_seed()
-    command = argv[0] if argv and argv[0] in COMMANDS else None
-    args = build_parser(only=command).parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     from reprotrain.determinism import DeterminismError
     from reprotrain.pipeline.config import ConfigError, load_params, render_defaults

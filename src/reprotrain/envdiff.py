@@ -19,6 +19,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+__all__ = [
+    "EnvDiff",
+    "EnvRule",
+    "InputDiff",
+    "classify_env_key",
+    "compare_environments",
+    "compare_inputs",
+    "flatten_record",
+]
+
 Verdict = Literal["voids", "may matter", "no"]
 
 

@@ -13,7 +13,7 @@ CPU cores a 10M-parameter MLP's gradients and weights take 10-20 ms, a fifth
 of its step or more (``benchmarks/trace_overhead.py``). A divergence between
 weight rows still shows at once in the next step's loss.
 
-Fingerprints (:mod:`reprotrain.fingerprints`) are exact integer hashes of the
+Fingerprints (:mod:`reprotrain.devicehash`) are exact integer hashes of the
 bits, computed on the tensors' device, kept there until every ``flush_every``
 rows. The same run gives the same trace file, byte for byte.
 
@@ -30,15 +30,13 @@ a ``rank`` column. A trace of a sharded model covers each rank's shard.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import random
 import struct
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,16 +44,15 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.optim import Optimizer
 
 from reprotrain.atomic import atomic_path
+from reprotrain.devicehash import fingerprints
 from reprotrain.distributed import gather_from_ranks, own_entry
-from reprotrain.fingerprints import fingerprints
-from reprotrain.hashing import load_safetensors, safetensors_metadata
+from reprotrain.hashing import safetensors_metadata
+from reprotrain.tracefile import FORMAT, RECORDS, VERSION, Detail, Trace, load_trace
 
-Detail = Literal["default", "full"]
-#: Per-row records, in the order a step computes them (and compare checks them).
-RECORDS = ("batch", "rng", "loss", "grads", "params")
+__all__ = ["DEFAULT_WEIGHTS_EVERY", "Trace", "TraceCallback", "load_trace", "rng_states"]
+
 #: ``weights_every`` for ``detail="default"``: keeps a 10M MLP's CPU step within 3%.
 DEFAULT_WEIGHTS_EVERY = 32
-FORMAT, VERSION = "reprotrain.trace", 1
 _HOST_COLUMNS = ("step", "epoch", "batch_idx", "weights_traced", "rng")
 
 
@@ -101,54 +98,6 @@ def rng_states() -> dict[str, bytes]:
         for index, generator in enumerate(torch.cuda.default_generators):
             out[f"cuda:{index}"] = generator.get_state().numpy().tobytes()
     return out
-
-
-@dataclass(frozen=True)
-class Trace:
-    """One row per training batch, read-only numpy arrays; ``records[name]`` is int64 per row.
-
-    ``grads`` and ``params`` (and the per-tensor columns) are 0 where ``weights_traced`` is False.
-    """
-
-    detail: Detail
-    weights_every: int
-    step: np.ndarray
-    epoch: np.ndarray
-    batch_idx: np.ndarray
-    loss_value: np.ndarray
-    weights_traced: np.ndarray
-    records: dict[str, np.ndarray]
-    initial_params: int
-    param_names: tuple[str, ...]
-    rng_sources: tuple[str, ...]
-    grads_per_param: np.ndarray | None = None
-    params_per_param: np.ndarray | None = None
-    rng_per_source: np.ndarray | None = None
-    #: The rank that recorded each row (all 0 in a single process); rows are in rank order.
-    rank: np.ndarray | None = None
-    world_size: int = 1
-    initial_per_rank: tuple[int, ...] = ()
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.step)
-
-    def of_rank(self, rank: int) -> Trace:
-        """The rows one rank recorded, as a single-process trace."""
-        if self.rank is None:
-            return self
-        rows = self.rank == rank
-        arrays = {
-            f.name: getattr(self, f.name)[rows]
-            for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), np.ndarray)
-        }
-        records = {name: values[rows] for name, values in self.records.items()}
-        initial = self.initial_per_rank[rank] if self.initial_per_rank else self.initial_params
-        return dataclasses.replace(
-            self, **arrays, records=records, world_size=1, initial_params=initial,
-            initial_per_rank=(initial,),
-        )  # fmt: skip
 
 
 class TraceCallback(Callback):
@@ -330,26 +279,3 @@ class TraceCallback(Callback):
             tensors["grads_per_param"], tensors["params_per_param"] = rows[:, 4:].split(n, dim=1)
             tensors["rng_per_source"] = host[:, len(_HOST_COLUMNS) :]
         return tensors
-
-
-def load_trace(path: str | Path) -> Trace:
-    """Read a file written by :class:`TraceCallback`; ``ValueError`` if it is not one."""
-    tensors, meta = load_safetensors(path)
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(f"{path}: not a reprotrain trace (version {VERSION}) file")
-    arrays = {name: tensor.numpy() for name, tensor in tensors.items()}
-    for values in arrays.values():
-        values.flags.writeable = False
-    initial = arrays.pop("initial_params")
-    arrays.setdefault("rank", np.zeros(len(arrays["step"]), np.int64))  # written before DDP
-    return Trace(
-        detail=meta["detail"],
-        weights_every=int(meta["weights_every"]),
-        records={name: arrays.pop(name) for name in RECORDS},
-        initial_params=int(initial[0]),
-        param_names=tuple(meta["param_names"]),
-        rng_sources=tuple(meta["rng_sources"]),
-        world_size=int(meta.get("world_size", 1)),
-        initial_per_rank=tuple(int(v) for v in initial),
-        **arrays,
-    )

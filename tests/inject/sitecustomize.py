@@ -66,7 +66,7 @@ if FROM_STEP is not None:
 
 if os.environ.get("REPROTRAIN_TEST_SKEW_RANK") is not None:
     # Rank r computes its run inputs with one extra field, as a node with other code would.
-    import reprotrain.pipeline.train as pipeline_train
+    import reprotrain.pipeline.stages.train as pipeline_train
 
     skewed_rank = os.environ["REPROTRAIN_TEST_SKEW_RANK"]
     original_inputs = pipeline_train.stage_inputs

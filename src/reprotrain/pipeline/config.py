@@ -10,7 +10,6 @@ the whole configuration (``reprotrain params --defaults`` prints one).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import typing
 from collections.abc import Iterable, Mapping
@@ -250,16 +249,3 @@ def _render(cls: type, lines: list[str], indent: str) -> None:
             continue
         lines.append(f"{indent}# {spec.metadata['help']}; {_describe(spec, hints[spec.name])}")
         lines.append(f"{indent}{spec.name}: {_yaml_scalar(spec.default)}")
-
-
-def add_override_option(parser: argparse.ArgumentParser, example: str) -> None:
-    """``-S KEY=VALUE`` (repeatable, as in ``dvc exp run -S``) into ``args.overrides``."""
-    parser.add_argument(
-        "-S",
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=example,
-    )

@@ -17,21 +17,11 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from reprotrain.commands._rundiff import compare_runs, find_run
 from reprotrain.hashing import canonical_json
-from reprotrain.pipeline.runs import compare_runs, find_run
 
 PARAMS: tuple[str, ...] = ()
 EXIT_DIFFERENT = 1
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("a", help="run A: a folder or a git revision")
-    parser.add_argument("b", help="run B: a folder or a git revision")
-    parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    parser.add_argument("--plot", type=Path, help="write a PNG of both losses and their difference")
-    parser.add_argument(
-        "--repo", type=Path, default=Path(), help="repository that revisions refer to"
-    )
 
 
 def run(_: object, args: argparse.Namespace) -> int:

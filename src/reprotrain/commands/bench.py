@@ -35,7 +35,6 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,15 +42,15 @@ from torch import nn
 from torch.nn import functional as F
 
 from reprotrain.atomic import atomic_write_text
+from reprotrain.commands._rerun import ensure_prepared
+from reprotrain.commands.ops import device_facts
 from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS
 from reprotrain.hashing import canonical_json
+from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.data import load_prepared
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.model import Classifier
-from reprotrain.pipeline.ops import device_facts
-from reprotrain.pipeline.reruns import ensure_prepared
-from reprotrain.pipeline.stages import stage_arguments
 
 PARAMS = ("seed", "data.batch_size", "model", "train")
 #: Mode -> (deterministic algorithms and cudnn.deterministic, cudnn.benchmark).
@@ -66,22 +65,6 @@ MIN_PAIRS_FOR_VERDICT = 5
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 Setup = Callable[[], tuple[nn.Module, torch.optim.Optimizer]]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", choices=("pipeline", "conv", "both"), default="both")
-    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
-    parser.add_argument("--repeats", type=int, default=5, help="runs per mode (paired)")
-    parser.add_argument("--batch-size", type=int, default=32, help="conv: images per batch")
-    parser.add_argument("--image-size", type=int, default=32, help="conv: image height = width")
-    parser.add_argument("--channels", type=int, default=3, help="conv: input channels")
-    parser.add_argument("--width", type=int, default=32, help="conv: first layer's channels")
-    parser.add_argument("--data", type=Path, help="prepared data (default: from dvc.yaml)")
-    parser.add_argument("--dvc-yaml", type=Path, default=Path("dvc.yaml"), help="pipeline file")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--out", type=Path, help="also write the JSON report here")
 
 
 def set_mode(mode: str) -> None:

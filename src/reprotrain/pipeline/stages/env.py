@@ -26,6 +26,7 @@ from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS
 from reprotrain.environment import capture_environment, git_state
 from reprotrain.hashing import canonical_json
+from reprotrain.pipeline.arguments import DEFAULT_LOCK, LOCK_VARIABLE
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.errors import DataError
 
@@ -33,27 +34,6 @@ from reprotrain.pipeline.errors import DataError
 PARAMS: tuple[str, ...] = ()
 #: Installed but never in a lock: this project itself (an editable install).
 NOT_LOCKED = ("reprotrain",)
-#: Names the lock when ``--lock`` is not given; the Dockerfile sets it.
-LOCK_VARIABLE = "REPROTRAIN_LOCK"
-DEFAULT_LOCK = Path("requirements-cpu.lock")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    what = parser.add_mutually_exclusive_group()
-    what.add_argument(
-        "--lock",
-        type=Path,
-        help=f"requirements lock the install should match (default: ${LOCK_VARIABLE}, "
-        f"else {DEFAULT_LOCK})",
-    )
-    what.add_argument(
-        "--diff",
-        nargs=2,
-        type=Path,
-        metavar=("A", "B"),
-        help="explain how two environment records differ and which changes void the guarantee",
-    )
-    parser.add_argument("--out", type=Path, help="write the record here (default: print it)")
 
 
 def selected_lock(lock: Path | None = None) -> Path:

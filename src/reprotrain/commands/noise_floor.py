@@ -30,31 +30,21 @@ from typing import Any
 import torch
 
 from reprotrain.atomic import atomic_write_text
-from reprotrain.compare import compare_traces
-from reprotrain.hashing import canonical_json, load_safetensors
-from reprotrain.pipeline.config import add_override_option
-from reprotrain.pipeline.errors import DataError
-from reprotrain.pipeline.reruns import rerun_workspace, train_fresh
-from reprotrain.pipeline.runs import (
+from reprotrain.commands._rerun import rerun_workspace, train_fresh
+from reprotrain.commands._rundiff import (
     FLAT,
     METRICS,
     compare_runs,
     run_in_folder,
 )
+from reprotrain.hashing import canonical_json, load_safetensors
+from reprotrain.pipeline.errors import DataError
 from reprotrain.trace import load_trace
+from reprotrain.tracediff import compare_traces
 
 PARAMS: tuple[str, ...] = ()
 #: Mode name in the report -> the ``deterministic`` value the runs train with.
 MODES = {"default": "false", "deterministic": "true"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runs", type=int, default=3, help="same-seed runs per mode (>= 2)")
-    parser.add_argument("--dvc-yaml", type=Path, default=Path("dvc.yaml"), help="pipeline file")
-    parser.add_argument("--workdir", type=Path, help="keep the run folders here")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--out", type=Path, help="also write the JSON report to this file")
-    add_override_option(parser, "params override for every run, e.g. -S train.max_epochs=1")
 
 
 def run(_: object, args: argparse.Namespace) -> int:

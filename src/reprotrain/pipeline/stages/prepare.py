@@ -27,11 +27,6 @@ PARAMS = ("seed", "data.source", "data.val_fraction", "data.test_fraction")
 BUILTIN_SOURCE = "digits"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--raw-dir", type=Path, required=True, help="folder of user raw data")
-    parser.add_argument("--out", type=Path, required=True, help="prepared dataset file to write")
-
-
 def run(params: Params, args: argparse.Namespace) -> str:
     x, y, source = load_raw(params.data.source, args.raw_dir)
     prepared = split(x, y, params.data, params.seed, source)

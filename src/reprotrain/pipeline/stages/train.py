@@ -80,18 +80,6 @@ PARAMS = (
 )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", type=Path, required=True, help="prepared dataset file")
-    parser.add_argument("--model", type=Path, required=True, help="weights to write")
-    parser.add_argument("--metrics", type=Path, required=True, help="training metrics JSON")
-    parser.add_argument("--plots", type=Path, required=True, help="folder for curve CSVs")
-    parser.add_argument("--env", type=Path, required=True, help="environment record (env stage)")
-    parser.add_argument("--run-record", type=Path, required=True, help="run.json to write")
-    parser.add_argument("--checkpoints", type=Path, required=True, help="checkpoint folder")
-    parser.add_argument("--trace", type=Path, help="per-step trace to write (read by compare)")
-    parser.add_argument("--dvc-lock", type=Path, help="verify --data against this dvc.lock")
-
-
 def run(params: Params, args: argparse.Namespace) -> str:
     settings = configure_determinism(params.seed, params.deterministic)
     environment = load_environment(args.env)

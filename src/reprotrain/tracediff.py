@@ -1,4 +1,4 @@
-"""Compare two runs: their traces, their weights, their environments.
+"""Where two traces part: the first diverging step and record, and the likely cause.
 
 ``compare_traces`` finds the first training step at which two traces (from
 :class:`reprotrain.trace.TraceCallback`) differ and which record differed
@@ -24,47 +24,23 @@ whose first differing record comes earliest in the step (a batch or loss
 difference on one rank points at that rank; gradients are traced after the
 all-reduce, so a backward difference shows on every rank at once and the
 lowest is named). Traces of different world sizes are not compared row by row.
-``compare_weights`` compares two state dicts tensor by tensor;
-``compare_environments`` (from :mod:`reprotrain.envdiff`) lists environment
-fields that differ and whether each voids the bitwise guarantee;
-``compare_inputs`` (also from there) lists the run inputs (params, data and code hashes...)
-that differ, which is why two run IDs differ. ``ComparisonReport`` renders
-them all as text or as a JSON-ready dict.
+``plot_losses`` draws both runs' losses and their difference. Weights are
+compared by :mod:`reprotrain.weightdiff`, environments and run inputs by
+:mod:`reprotrain.envdiff`, and :mod:`reprotrain.diffreport` puts them together.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-import torch
 
 from reprotrain.atomic import atomic_path
-from reprotrain.envdiff import (
-    EnvDiff,
-    InputDiff,
-    compare_environments,
-    compare_inputs,
-)
-from reprotrain.trace import RECORDS, Trace
+from reprotrain.tracefile import RECORDS, Trace
 
-__all__ = [
-    "ComparisonReport",
-    "EnvDiff",
-    "InputDiff",
-    "TensorDiff",
-    "TraceDiff",
-    "compare_environments",
-    "compare_inputs",
-    "compare_traces",
-    "compare_weights",
-    "plot_losses",
-    "weights_table",
-]
+__all__ = ["DIAGNOSES", "TraceDiff", "compare_traces", "plot_losses"]
 
 DIAGNOSES = {
     "schedule": "training schedule differs (step, epoch or batch numbering)",
@@ -253,129 +229,6 @@ def _compare_rank(a: Trace, b: Trace) -> TraceDiff:
         tensor=tensor,
         records_differing=differing,
     )
-
-
-@dataclass(frozen=True)
-class TensorDiff:
-    """One tensor of two state dicts; ``status`` is equal, different, missing, extra or shape."""
-
-    name: str
-    status: Literal["equal", "different", "missing", "extra", "shape"]
-    max_abs_diff: float | None = None
-    rel_l2: float | None = None
-    shape_a: tuple[int, ...] | None = None
-    shape_b: tuple[int, ...] | None = None
-    dtype_a: str | None = None
-    dtype_b: str | None = None
-
-    @property
-    def equal(self) -> bool:
-        return self.status == "equal"
-
-    def to_text(self) -> str:
-        if self.status in ("equal", "different"):
-            return (
-                f"{self.name}: {self.status}, max |a-b| {self.max_abs_diff:.3g}, "
-                f"rel L2 {self.rel_l2:.3g}"
-            )
-        if self.status == "shape":
-            return f"{self.name}: shape {self.shape_a} vs {self.shape_b}"
-        side = "b" if self.status == "missing" else "a"
-        return f"{self.name}: {self.status} (not in {side})"
-
-
-def compare_weights(
-    a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]
-) -> list[TensorDiff]:
-    """Per tensor, in name order: bitwise equality, max abs diff and ||a-b|| / ||a||."""
-    out: list[TensorDiff] = []
-    for name in sorted(set(a) | set(b)):
-        if name not in b:
-            out.append(TensorDiff(name, "missing", shape_a=tuple(a[name].shape)))
-            continue
-        if name not in a:
-            out.append(TensorDiff(name, "extra", shape_b=tuple(b[name].shape)))
-            continue
-        ta, tb = a[name].detach().cpu(), b[name].detach().cpu()
-        shapes = {"shape_a": tuple(ta.shape), "shape_b": tuple(tb.shape)}
-        dtypes = {"dtype_a": str(ta.dtype), "dtype_b": str(tb.dtype)}
-        if ta.shape != tb.shape:
-            out.append(TensorDiff(name, "shape", **shapes, **dtypes))
-            continue
-        wide = torch.complex128 if ta.is_complex() or tb.is_complex() else torch.float64
-        delta = ta.to(wide) - tb.to(wide)
-        max_abs = float(delta.abs().max()) if delta.numel() else 0.0
-        norm_a = float(torch.linalg.vector_norm(ta.to(wide)))
-        norm_d = float(torch.linalg.vector_norm(delta))
-        rel = norm_d / norm_a if norm_a else (0.0 if norm_d == 0 else float("inf"))
-        # torch.equal, not the float diff: -0.0 vs 0.0 or a NaN payload is a bit difference.
-        status = "equal" if ta.dtype == tb.dtype and torch.equal(ta, tb) else "different"
-        out.append(TensorDiff(name, status, max_abs, rel, **shapes, **dtypes))
-    return out
-
-
-def _json_safe(row: dict[str, Any]) -> dict[str, Any]:
-    """inf / NaN as strings, so strict JSON writers (``canonical_json``) accept the report."""
-    return {
-        k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()
-    }
-
-
-@dataclass(frozen=True)
-class ComparisonReport:
-    """Everything known about two runs; ``to_text()`` for people, ``to_dict()`` for JSON."""
-
-    trace: TraceDiff | None = None
-    weights: list[TensorDiff] = field(default_factory=list)
-    environment: list[EnvDiff] = field(default_factory=list)
-    inputs: list[InputDiff] = field(default_factory=list)
-
-    @property
-    def guarantee_applies(self) -> bool:
-        """False when an environment difference voids the bitwise guarantee."""
-        return not any(d.voids for d in self.environment)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "trace": None if self.trace is None else self.trace.to_dict(),
-            "weights": [_json_safe({**asdict(d), "equal": d.equal}) for d in self.weights],
-            "weights_equal": all(d.equal for d in self.weights),
-            "environment": [{**asdict(d), "voids": d.voids} for d in self.environment],
-            "inputs": [asdict(d) for d in self.inputs],
-            "guarantee_applies": self.guarantee_applies,
-        }
-
-    def to_text(self) -> str:
-        parts = []
-        if self.trace is not None:
-            parts.append(self.trace.to_text())
-        if self.inputs:
-            parts.append(f"run inputs that differ ({len(self.inputs)}), the likely explanation:")
-            parts += [f"  {d.to_text()}" for d in self.inputs]
-        if self.weights:
-            equal = sum(d.equal for d in self.weights)
-            parts.append(f"final weights: {equal}/{len(self.weights)} tensors bitwise equal")
-            parts.append(weights_table(self.weights))
-        if self.environment:
-            verdict = "applies" if self.guarantee_applies else "VOID"
-            parts.append(f"environment: {len(self.environment)} differences, guarantee {verdict}")
-            parts += [f"  {d.to_text()}" for d in self.environment]
-        return "\n".join(parts) or "nothing compared"
-
-    def __str__(self) -> str:
-        return self.to_text()
-
-
-def weights_table(diffs: list[TensorDiff]) -> str:
-    """A fixed-width table: tensor, equal / different / missing..., max |a-b|, relative L2."""
-    width = max(len("tensor"), *(len(d.name) for d in diffs))
-    lines = [f"  {'tensor':<{width}}  {'status':<9}  {'max |a-b|':>10}  {'rel L2':>10}"]
-    for d in diffs:
-        numbers = ("", "")
-        if d.max_abs_diff is not None and d.rel_l2 is not None:
-            numbers = (f"{d.max_abs_diff:.3g}", f"{d.rel_l2:.3g}")
-        lines.append(f"  {d.name:<{width}}  {d.status:<9}  {numbers[0]:>10}  {numbers[1]:>10}")
-    return "\n".join(lines)
 
 
 def plot_losses(a: Trace, b: Trace, path: str | Path, labels: tuple[str, str] = ("a", "b")) -> None:

@@ -27,9 +27,9 @@ import yaml
 
 from reprotrain.envdiff import compare_environments
 from reprotrain.environment import git_state
+from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.env import record_environment
-from reprotrain.pipeline.stages import stage_arguments
+from reprotrain.pipeline.stages.env import record_environment
 from reprotrain.provenance import md5_file
 
 PARAMS: tuple[str, ...] = ()
@@ -42,12 +42,6 @@ class Item:
     name: str
     status: Status
     detail: str
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dvc-yaml", type=Path, default=Path("dvc.yaml"), help="pipeline file")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--strict", action="store_true", help="exit 1 if any item fails")
 
 
 def run(_: Params | None, args: argparse.Namespace) -> int:

@@ -30,14 +30,6 @@ PARAMS: tuple[str, ...] = ()
 _CHUNK = 1024
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", type=Path, required=True, help="prepared dataset file")
-    parser.add_argument("--model", type=Path, required=True, help="trained weights")
-    parser.add_argument("--metrics", type=Path, required=True, help="test metrics JSON")
-    parser.add_argument("--plots", type=Path, required=True, help="folder for confusion CSV")
-    parser.add_argument("--dvc-lock", type=Path, help="verify --data and --model against it")
-
-
 def run(_: Params | None, args: argparse.Namespace) -> str:
     if args.dvc_lock:
         for path in (args.data, args.model):

@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from reprotrain.determinism import configure_determinism
-from reprotrain.pipeline import train
+from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.env import record_environment
-from reprotrain.pipeline.stages import stage_arguments
+from reprotrain.pipeline.stages import train
+from reprotrain.pipeline.stages.env import record_environment
 from reprotrain.provenance import run_id
 
 PARAMS = train.PARAMS
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dvc-yaml", type=Path, default=Path("dvc.yaml"), help="pipeline file")
-    parser.add_argument("--json", action="store_true", help="print the inputs as JSON too")
 
 
 def run(params: Params, args: argparse.Namespace) -> int:

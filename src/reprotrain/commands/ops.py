@@ -30,18 +30,6 @@ from reprotrain.pipeline.errors import DataError
 PARAMS: tuple[str, ...] = ()
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device", choices=("cpu", "cuda"), help="device to probe (default: cuda if available)"
-    )
-    parser.add_argument("--repeats", type=int, default=5, help="calls per mode and op (>= 2)")
-    parser.add_argument(
-        "--only", action="append", default=[], metavar="NAME", help="probe only these ops"
-    )
-    parser.add_argument("--out-md", type=Path, help="write the markdown table here")
-    parser.add_argument("--out-json", type=Path, help="write the results as JSON here")
-
-
 def device_name(device: torch.device) -> str:
     """The GPU model, or the CPU model from /proc/cpuinfo (the machine's processor name)."""
     if device.type == "cuda":

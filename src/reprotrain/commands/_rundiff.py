@@ -17,7 +17,7 @@ the same bytes; otherwise it explains with the library's comparisons (first
 diverging step and record, per-tensor weights, environment and run-input
 differences).
 
-Fresh runs to compare come from :mod:`reprotrain.pipeline.reruns`.
+Fresh runs to compare come from :mod:`reprotrain.commands._rerun`.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any
 from reprotrain.atomic import atomic_path
 from reprotrain.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
 from reprotrain.hashing import sha256_file
+from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.errors import DataError
-from reprotrain.pipeline.stages import stage_arguments
 
 if TYPE_CHECKING:  # torch and Lightning load only when two runs differ (verify stays fast)
-    from reprotrain.compare import ComparisonReport
+    from reprotrain.diffreport import ComparisonReport
     from reprotrain.trace import Trace
 
 #: File names in a flat run folder (what `reprotrain verify` writes per run).
@@ -254,8 +254,10 @@ def _explain(
     plot: Path | None,
 ) -> ComparisonReport:
     """The library's comparison of traces and weights (imports torch), and the loss plot."""
-    from reprotrain.compare import ComparisonReport, compare_traces, compare_weights, plot_losses
+    from reprotrain.diffreport import ComparisonReport
     from reprotrain.hashing import load_safetensors
+    from reprotrain.tracediff import compare_traces, plot_losses
+    from reprotrain.weightdiff import compare_weights
 
     trace_a, trace_b = _trace(a.trace), _trace(b.trace)
     if plot is not None and trace_a and trace_b:

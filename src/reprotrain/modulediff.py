@@ -37,7 +37,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from reprotrain.fingerprints import tensor_bytes
+from reprotrain.devicehash import tensor_bytes
+
+__all__ = ["LocateResult", "locate_divergence"]
 
 Tensors = list[torch.Tensor | None]
 

@@ -16,7 +16,7 @@ committed one in a field that voids the bitwise guarantee (GPU, torch,
 CUDA, CPU kernels...), verify says so and compares fresh reruns instead.
 
 Runs train one after another (``--jobs N``: N side by side, see
-:mod:`reprotrain.pipeline.reruns`); cost against one training run:
+:mod:`reprotrain.commands._rerun`); cost against one training run:
 ``benchmarks/verify_cost.py``.
 """
 
@@ -27,39 +27,21 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from reprotrain.envdiff import compare_environments
-from reprotrain.hashing import canonical_json
-from reprotrain.pipeline.config import add_override_option
-from reprotrain.pipeline.errors import DataError
-from reprotrain.pipeline.reruns import rerun_workspace, train_fresh
-from reprotrain.pipeline.run_record import load_environment
-from reprotrain.pipeline.runs import (
+from reprotrain.commands._rerun import rerun_workspace, train_fresh
+from reprotrain.commands._rundiff import (
     RunComparison,
     RunFiles,
     compare_runs,
     find_run,
     run_in_folder,
 )
+from reprotrain.envdiff import compare_environments
+from reprotrain.hashing import canonical_json
+from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.run_record import load_environment
 
 PARAMS: tuple[str, ...] = ()
 EXIT_DIFFERENT = 1
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runs", type=int, default=2, help="fresh training runs (>= 2)")
-    parser.add_argument("--against", metavar="REV", help="compare a fresh run with REV's outputs")
-    parser.add_argument("--dvc-yaml", type=Path, default=Path("dvc.yaml"), help="pipeline file")
-    parser.add_argument(
-        "--workdir", type=Path, help="keep the run folders here (default: a temporary folder)"
-    )
-    parser.add_argument("--json", action="store_true", help="print the comparisons as JSON")
-    parser.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        help="runs trained side by side (default 1: on a small machine they compete for cores)",
-    )
-    add_override_option(parser, "params override for every run, e.g. -S train.accelerator=gpu")
 
 
 def run(_: object, args: argparse.Namespace) -> int:
@@ -81,8 +63,8 @@ def run(_: object, args: argparse.Namespace) -> int:
     results = [compare_runs(first, other) for other in (fresh[1:] if reference is None else fresh)]
     for result in results:
         if not result.identical and result.a.trace and result.b.trace:
-            from reprotrain.compare import plot_losses  # torch: only when runs differ
             from reprotrain.trace import load_trace
+            from reprotrain.tracediff import plot_losses  # torch: only when runs differ
 
             plot = workdir / f"loss-{result.b.label}.png"
             plot_losses(load_trace(result.a.trace), load_trace(result.b.trace), plot)

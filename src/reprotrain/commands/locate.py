@@ -5,7 +5,7 @@ the pipeline's model twice on the same batch (the first ``data.batch_size``
 training samples, unaugmented) from the same parameters, under the params'
 determinism settings, and names the first module (path and type) whose
 forward output or gradient differs, using
-:func:`reprotrain.locate.locate_divergence`. With ``--deterministic false``
+:func:`reprotrain.modulediff.locate_divergence`. With ``--deterministic false``
 it shows what the default kernels do; with ``true`` what the run would get.
 
 Exit codes: 0 both steps identical, 1 a module differs, 2 bad input,
@@ -18,26 +18,19 @@ import argparse
 import dataclasses
 import json
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from reprotrain.determinism import configure_determinism
-from reprotrain.locate import locate_divergence
+from reprotrain.modulediff import locate_divergence
+from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.data import load_prepared
 from reprotrain.pipeline.model import Classifier
-from reprotrain.pipeline.stages import stage_arguments
 
 PARAMS = ("seed", "deterministic", "data.batch_size", "model", "train")
 EXIT_DIFFERENT = 1
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", type=Path, help="prepared dataset (default: the train stage's)")
-    parser.add_argument("--dvc-yaml", type=Path, default=Path("dvc.yaml"), help="pipeline file")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def _training_step(module: Any, batch: Any) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""The trace file: per-step fingerprints of a run, as ``TraceCallback`` writes them.
+
+One safetensors file (its metadata packed in one key, so identical rows give
+identical bytes): a row per training batch and rank with ``step``, ``epoch``,
+``batch_idx``, ``weights_traced``, the int64 fingerprint of each record in
+:data:`RECORDS`, the loss's exact bits, and with ``detail="full"`` one
+fingerprint per parameter tensor and per RNG source. :func:`load_trace` reads
+it into a read-only :class:`Trace`; files written before DDP (no ``rank``
+column) still load. This module imports no Lightning, so tools that only read
+traces (``reprotrain compare``) start fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from reprotrain.hashing import load_safetensors
+
+Detail = Literal["default", "full"]
+#: Per-row records, in the order a step computes them (and compare checks them).
+RECORDS = ("batch", "rng", "loss", "grads", "params")
+FORMAT, VERSION = "reprotrain.trace", 1
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One row per training batch, read-only numpy arrays; ``records[name]`` is int64 per row.
+
+    ``grads`` and ``params`` (and the per-tensor columns) are 0 where ``weights_traced`` is False.
+    """
+
+    detail: Detail
+    weights_every: int
+    step: np.ndarray
+    epoch: np.ndarray
+    batch_idx: np.ndarray
+    loss_value: np.ndarray
+    weights_traced: np.ndarray
+    records: dict[str, np.ndarray]
+    initial_params: int
+    param_names: tuple[str, ...]
+    rng_sources: tuple[str, ...]
+    grads_per_param: np.ndarray | None = None
+    params_per_param: np.ndarray | None = None
+    rng_per_source: np.ndarray | None = None
+    #: The rank that recorded each row (all 0 in a single process); rows are in rank order.
+    rank: np.ndarray | None = None
+    world_size: int = 1
+    initial_per_rank: tuple[int, ...] = ()
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step)
+
+    def of_rank(self, rank: int) -> Trace:
+        """The rows one rank recorded, as a single-process trace."""
+        if self.rank is None:
+            return self
+        rows = self.rank == rank
+        arrays = {
+            f.name: getattr(self, f.name)[rows]
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), np.ndarray)
+        }
+        records = {name: values[rows] for name, values in self.records.items()}
+        initial = self.initial_per_rank[rank] if self.initial_per_rank else self.initial_params
+        return dataclasses.replace(
+            self, **arrays, records=records, world_size=1, initial_params=initial,
+            initial_per_rank=(initial,),
+        )  # fmt: skip
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a file written by :class:`TraceCallback`; ``ValueError`` if it is not one."""
+    tensors, meta = load_safetensors(path)
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{path}: not a reprotrain trace (version {VERSION}) file")
+    arrays = {name: tensor.numpy() for name, tensor in tensors.items()}
+    for values in arrays.values():
+        values.flags.writeable = False
+    initial = arrays.pop("initial_params")
+    arrays.setdefault("rank", np.zeros(len(arrays["step"]), np.int64))  # written before DDP
+    return Trace(
+        detail=meta["detail"],
+        weights_every=int(meta["weights_every"]),
+        records={name: arrays.pop(name) for name in RECORDS},
+        initial_params=int(initial[0]),
+        param_names=tuple(meta["param_names"]),
+        rng_sources=tuple(meta["rng_sources"]),
+        world_size=int(meta.get("world_size", 1)),
+        initial_per_rank=tuple(int(v) for v in initial),
+        **arrays,
+    )
