@@ -17,7 +17,7 @@ DOCKER ?= docker
 IMAGE ?= reprotrain:latest
 BASE_IMAGE ?=
 
-.PHONY: help venv repro test test-slow test-gpu test-container verify lint format lock bench ops clean \
+.PHONY: help venv repro test test-slow test-gpu gpu-evidence test-container verify lint format lock bench ops clean \
 	image docker-repro docker-verify
 
 help: ## List the targets
@@ -50,6 +50,12 @@ test-slow: venv ## Run the tests marked slow: kill points, DDP process groups, e
 
 test-gpu: venv ## Run the GPU tests (marked `gpu`; they skip without CUDA)
 	$(BIN)/pytest -m gpu
+
+# On a lent GPU host (its own Python and torch, no venv, no DVC, no network): no venv here.
+GPU_EVIDENCE_ARGS ?=
+gpu-evidence: ## On a GPU host: twin runs, noise floor, cost, ops, DDP, trace into docs/gpu/
+	PYTHONPATH=src python3 benchmarks/gpu_evidence.py $(GPU_EVIDENCE_ARGS)
+	python3 benchmarks/gpu_rows.py
 
 verify: venv ## Rerun training twice in fresh processes; fail unless the bits are identical
 	$(BIN)/reprotrain verify

@@ -37,4 +37,6 @@ def train_workspace(params: Params) -> Iterator[argparse.Namespace]:
             run_record=work / "run.json",
             checkpoints=work / "checkpoints",
             dvc_lock=None,
+            trace=None,
+            evidence=False,
         )

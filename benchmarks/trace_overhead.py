@@ -18,7 +18,7 @@ less (two threads stall at every barrier while the other core is busy).
 Target: default detail on the 10M model at most 1.03.
 
     .venv/bin/python benchmarks/trace_overhead.py [--repeats 5] [--epochs 3] [--mlp-steps 64]
-        [--threads N]
+        [--threads N] [--accelerator cpu|gpu] [--json PATH]
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from _workspace import ROOT, train_workspace
+from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
+from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import PreparedDataModule, load_prepared
 from reprotrain.pipeline.model import Classifier
@@ -108,7 +110,11 @@ class TimedTrace(TraceCallback):
 
 
 def timed_fit(
-    build: Callable[[], tuple[L.LightningModule, Any]], mode: str, epochs: int, work: Path
+    build: Callable[[], tuple[L.LightningModule, Any]],
+    mode: str,
+    epochs: int,
+    work: Path,
+    accelerator: str,
 ) -> tuple[float, float]:
     """(mean step time, mean time inside the trace hooks per step) of one fit."""
     settings = configure_determinism(42, True)
@@ -119,7 +125,7 @@ def timed_fit(
     )
     callbacks: list[L.Callback] = [timer] if mode == "off" else [timer, trace]
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         max_epochs=epochs,
         logger=False,
@@ -138,14 +144,17 @@ def timed_fit(
     return statistics.fmean(timer.deltas), trace.seconds / steps
 
 
-def measure(name: str, build: Callable[[], tuple[Any, Any]], epochs: int, repeats: int) -> None:
+def measure(
+    name: str, build: Callable[[], tuple[Any, Any]], epochs: int, repeats: int, accelerator: str
+) -> dict[str, Any]:
+    """Print the table for one model; return its figures (ratios to tracing off)."""
     with tempfile.TemporaryDirectory() as tmp:
         for mode in MODES:  # warm-up: thread pools, allocator, first-call costs
-            timed_fit(build, mode, epochs, Path(tmp))
+            timed_fit(build, mode, epochs, Path(tmp), accelerator)
         runs: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
         for _ in range(repeats):
             for mode in MODES:
-                runs[mode].append(timed_fit(build, mode, epochs, Path(tmp)))
+                runs[mode].append(timed_fit(build, mode, epochs, Path(tmp), accelerator))
     step = {mode: statistics.median(s for s, _ in values) for mode, values in runs.items()}
     low = {mode: min(s for s, _ in values) for mode, values in runs.items()}
     print(f"{name}: {repeats} interleaved repeats")
@@ -161,6 +170,15 @@ def measure(name: str, build: Callable[[], tuple[Any, Any]], epochs: int, repeat
             f" {low[mode] * 1e3:11.2f}  {low[mode] / low['off']:.3f} |"
             f" {hook * 1e3:15.3f}  {1 + hook / step['off']:19.3f} | {each}"
         )
+    return {
+        "model": name,
+        "repeats": repeats,
+        "median_step_ms": {mode: step[mode] * 1e3 for mode in MODES},
+        "ratio_to_off": {mode: step[mode] / step["off"] for mode in MODES},
+        "hook_ms_per_step": {
+            mode: statistics.median(h for _, h in runs[mode]) * 1e3 for mode in MODES
+        },
+    }
 
 
 def main() -> None:
@@ -170,6 +188,8 @@ def main() -> None:
     parser.add_argument("--mlp-steps", type=int, default=64, help="steps per MLP fit")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--workers", type=int, default=0, help="pipeline DataLoader workers")
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--json", type=Path, help="also write the figures here as JSON")
     cli = parser.parse_args()
     reexec_with_fixed_hash_seed()
     if cli.threads:
@@ -198,7 +218,7 @@ def main() -> None:
 
         size = sum(p.numel() for p in pipeline_model()[0].parameters())
         name = f"pipeline Classifier ({size:,} parameters, default params, {cli.workers} workers)"
-        measure(name, pipeline_model, cli.epochs, cli.repeats)
+        results = [measure(name, pipeline_model, cli.epochs, cli.repeats, cli.accelerator)]
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64 * cli.mlp_steps, 1024, generator=gen)
@@ -214,7 +234,11 @@ def main() -> None:
         return MLP(), loader
 
     size = sum(p.numel() for p in MLP().parameters())
-    measure(f"MLP ({size:,} parameters, batch 64, Adam)", mlp, 1, cli.repeats)
+    name = f"MLP ({size:,} parameters, batch 64, Adam)"
+    results.append(measure(name, mlp, 1, cli.repeats, cli.accelerator))
+    if cli.json:
+        report = {"accelerator": cli.accelerator, "torch": torch.__version__, "models": results}
+        atomic_write_text(cli.json, canonical_json(report))
 
 
 if __name__ == "__main__":

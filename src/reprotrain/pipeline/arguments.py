@@ -103,6 +103,12 @@ def _train(parser: argparse.ArgumentParser) -> None:
         },
         False,
     )
+    parser.add_argument(
+        "--evidence",
+        action="store_true",
+        help="record drift from the lock instead of refusing it, for measurements on a host "
+        "not built from the lock (benchmarks/gpu_evidence.py); never used by dvc.yaml",
+    )
 
 
 def _evaluate(parser: argparse.ArgumentParser) -> None:

@@ -83,7 +83,7 @@ PARAMS = (
 def run(params: Params, args: argparse.Namespace) -> str:
     settings = configure_determinism(params.seed, params.deterministic)
     environment = load_environment(args.env)
-    _check_lock(environment["lock"], params.deterministic)
+    _check_lock(environment["lock"], params.deterministic, args.evidence)
     inputs = stage_inputs(params, args.data, environment, args.dvc_lock, settings)
     identity = run_id(inputs)
     run_dir = args.checkpoints / identity
@@ -119,7 +119,14 @@ def stage_inputs(
     return run_inputs(__name__, params, PARAMS, data, environment, dvc_lock, settings, layout)
 
 
-def _check_lock(lock: dict, mode: object) -> None:
+def _check_lock(lock: dict, mode: object, evidence: bool = False) -> None:
+    """Fail closed on lock drift in ``true`` mode, unless ``--evidence`` asks to record it.
+
+    Evidence mode is for measuring a host that was not built from the lock (a
+    lent GPU machine with its own torch): the drift is printed here, and it is
+    in the environment record, so in the run ID and run.json. dvc.yaml never
+    passes ``--evidence``: the pipeline itself stays fail-closed.
+    """
     if lock["exact"]:
         return
     drift = ", ".join(
@@ -129,9 +136,11 @@ def _check_lock(lock: dict, mode: object) -> None:
         f"installed packages differ from {lock['file']}: {drift}; reinstall from the lock "
         "(`make venv`), or set deterministic: warn to train anyway"
     )
-    if mode is True:
+    if evidence:
+        print(f"reprotrain train: evidence mode, recorded not refused: {message}", file=sys.stderr)
+    elif mode is True:
         raise DeterminismError(message)
-    if mode == "warn":
+    elif mode == "warn":
         warnings.warn(message, stacklevel=2)
 
 
