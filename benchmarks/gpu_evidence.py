@@ -85,7 +85,7 @@ BENCH = (
 OPS = ([], ["--only", "Tensor.index_add_", "--repeats", "2"])
 TRACE = (
     ["--repeats", "3", "--epochs", "2", "--mlp-steps", "32"],
-    ["--repeats", "1", "--epochs", "1", "--mlp-steps", "2"],
+    ["--repeats", "1", "--epochs", "1", "--mlp-steps", "0"],
 )
 
 

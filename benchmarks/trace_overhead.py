@@ -181,11 +181,31 @@ def measure(
     }
 
 
+def measure_mlp(steps: int, repeats: int, accelerator: str) -> dict[str, Any]:
+    """The ~10M-parameter MLP, ``steps`` batches of 64 per fit."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64 * steps, 1024, generator=gen)
+    y = torch.randint(0, 10, (len(x),), generator=gen)
+
+    def mlp() -> tuple[L.LightningModule, Any]:
+        loader = DataLoader(
+            TensorDataset(x, y),
+            batch_size=64,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(0),
+        )
+        return MLP(), loader
+
+    size = sum(p.numel() for p in MLP().parameters())
+    name = f"MLP ({size:,} parameters, batch 64, Adam)"
+    return measure(name, mlp, 1, repeats, accelerator)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=3, help="epochs of the pipeline model")
-    parser.add_argument("--mlp-steps", type=int, default=64, help="steps per MLP fit")
+    parser.add_argument("--mlp-steps", type=int, default=64, help="steps per MLP fit (0: no MLP)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--workers", type=int, default=0, help="pipeline DataLoader workers")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
@@ -220,22 +240,8 @@ def main() -> None:
         name = f"pipeline Classifier ({size:,} parameters, default params, {cli.workers} workers)"
         results = [measure(name, pipeline_model, cli.epochs, cli.repeats, cli.accelerator)]
 
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(64 * cli.mlp_steps, 1024, generator=gen)
-    y = torch.randint(0, 10, (len(x),), generator=gen)
-
-    def mlp() -> tuple[L.LightningModule, Any]:
-        loader = DataLoader(
-            TensorDataset(x, y),
-            batch_size=64,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(0),
-        )
-        return MLP(), loader
-
-    size = sum(p.numel() for p in MLP().parameters())
-    name = f"MLP ({size:,} parameters, batch 64, Adam)"
-    results.append(measure(name, mlp, 1, cli.repeats, cli.accelerator))
+    if cli.mlp_steps > 0:
+        results.append(measure_mlp(cli.mlp_steps, cli.repeats, cli.accelerator))
     if cli.json:
         report = {"accelerator": cli.accelerator, "torch": torch.__version__, "models": results}
         atomic_write_text(cli.json, canonical_json(report))

@@ -25,6 +25,7 @@ def _shorten(repo: Path, **train: object) -> None:
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+@pytest.mark.slow
 def test_verify_reruns_and_finds_them_identical(repo_copy: Path, tmp_path: Path) -> None:
     _shorten(repo_copy)
     result = run_cli("verify", "--runs", "3", "--workdir", tmp_path / "w", cwd=repo_copy)
