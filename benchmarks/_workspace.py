@@ -11,6 +11,7 @@ from pathlib import Path
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.data import save_prepared
+from reprotrain.pipeline.rawdata import load_raw
 from reprotrain.pipeline.stages import prepare
 from reprotrain.pipeline.stages.env import record_environment
 
@@ -22,7 +23,7 @@ def train_workspace(params: Params) -> Iterator[argparse.Namespace]:
     """Yield the `train` stage's arguments, pointing into a prepared temporary folder."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        x, y, source = prepare.load_raw(params.data.source, work)
+        x, y, source = load_raw(params.data.source, work)
         save_prepared(
             work / "data.safetensors", prepare.split(x, y, params.data, params.seed, source)
         )

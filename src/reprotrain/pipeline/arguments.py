@@ -71,6 +71,15 @@ def _env(parser: argparse.ArgumentParser) -> None:
         help="explain how two environment records differ and which changes void the guarantee",
     )
     parser.add_argument("--out", type=Path, help="write the record here (default: print it)")
+    parser.add_argument(
+        "--raw-dir",
+        type=Path,
+        help="check params.yaml and the raw data in this folder first (what dvc.yaml does), "
+        "so bad input stops `dvc repro` before any output is deleted",
+    )
+    parser.add_argument(
+        "--params", type=Path, default=Path("params.yaml"), help="params file (with --raw-dir)"
+    )
 
 
 def _prepare(parser: argparse.ArgumentParser) -> None:

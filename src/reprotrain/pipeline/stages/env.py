@@ -5,7 +5,10 @@
 change exactly when the environment does (see :mod:`reprotrain.environment`),
 so DVC retrains after a GPU, driver, torch or lock change and keeps its cache
 otherwise. Without ``--out`` the record is printed, with the git state added;
-``--diff A B`` explains how two records differ.
+``--diff A B`` explains how two records differ. With ``--raw-dir`` (as
+``dvc.yaml`` runs it) it first checks params.yaml and the raw data
+(:mod:`reprotrain.pipeline.preflight`), so bad input stops ``dvc repro`` here,
+before DVC deletes any later stage's outputs.
 
 The lock the installed packages must match is ``--lock``, else the file named
 by ``REPROTRAIN_LOCK``, else ``requirements-cpu.lock`` (relative to the working
@@ -27,8 +30,9 @@ from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS
 from reprotrain.environment import capture_environment, git_state
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.arguments import DEFAULT_LOCK, LOCK_VARIABLE
-from reprotrain.pipeline.config import Params
+from reprotrain.pipeline.config import Params, load_params
 from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.preflight import preflight
 
 #: The params.yaml keys this stage reads: none.
 PARAMS: tuple[str, ...] = ()
@@ -62,12 +66,15 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
     if args.diff:
         return explain_difference(*args.diff)
     record = record_environment(args.lock)
+    checked = ""
+    if args.raw_dir is not None:
+        checked = f"; {preflight(load_params(args.params), args.raw_dir, record['gpu'])}"
     if args.out is None:
         shown = {**record, "git": git_state(Path.cwd())}
         return "environment\n" + json.dumps(shown, indent=2, sort_keys=True)
     atomic_write_text(args.out, canonical_json(record))
     drift = "" if record["lock"]["exact"] else f"; {len(record['lock']['drift'])} packages drift"
-    return f"recorded environment -> {args.out}{drift}"
+    return f"recorded environment -> {args.out}{drift}{checked}"
 
 
 def explain_difference(a: Path, b: Path) -> str:

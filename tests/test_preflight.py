@@ -1,0 +1,189 @@
+"""Bad input stops the pipeline in the env stage, before DVC deletes any output."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from reprotrain.pipeline.config import load_params
+from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.preflight import network_parameters, preflight, training_bytes
+from tests.helpers import ROOT, cli_env
+
+DEFAULTS = ROOT / "params.yaml"
+
+
+def _params(tmp_path: Path, **changes: object) -> Path:
+    """params.yaml with ``changes`` (dotted keys) applied, raw YAML values kept as given."""
+    raw = yaml.safe_load(DEFAULTS.read_text())
+    for key, value in changes.items():
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            node = node[part]
+        if value is None:
+            del node[leaf]
+        else:
+            node[leaf] = value
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _raw(tmp_path: Path, name: str = "user.npz", **arrays: np.ndarray) -> Path:
+    raw = tmp_path / "raw"
+    raw.mkdir(exist_ok=True)
+    np.savez(raw / name, **arrays)
+    return raw
+
+
+def test_the_default_params_and_digits_pass(tmp_path: Path) -> None:
+    text = preflight(load_params(DEFAULTS), tmp_path, gpus=[])
+    assert "1797 samples" in text and "1x8x8" in text and "10 classes" in text
+
+
+def test_network_parameter_count_matches_the_real_network() -> None:
+    import torch  # noqa: F401  (the real network, for the count)
+
+    from reprotrain.pipeline.model import build_network
+
+    params = load_params(DEFAULTS)
+    for shape in ((1, 8, 8), (3, 17, 9)):
+        net = build_network(params.model, shape, 7)
+        assert network_parameters(params.model, shape, 7) == sum(
+            p.numel() for p in net.parameters()
+        )
+
+
+USER_DATA = {
+    "nan": ({"x": np.full((20, 4, 4), np.nan), "y": np.arange(20) % 2}, "NaN"),
+    "negative labels": ({"x": np.zeros((20, 4, 4)), "y": -np.ones(20, int)}, "negative"),
+    "missing y": ({"x": np.zeros((20, 4, 4))}, "missing array(s) ['y']"),
+    "too few samples": ({"x": np.zeros((3, 4, 4)), "y": np.arange(3)}, "empty split"),
+    "too large to train": (
+        {"x": np.zeros((10, 1, 3000, 3000), np.float32), "y": np.arange(10) % 2},
+        "GiB to train",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", USER_DATA)
+def test_bad_user_data_is_one_data_error_naming_the_file(tmp_path: Path, case: str) -> None:
+    arrays, expected = USER_DATA[case]
+    raw = _raw(tmp_path, **arrays)
+    params = load_params(_params(tmp_path, **{"data.source": "user.npz"}))
+    with pytest.raises(DataError, match=r"user\.npz") as caught:
+        preflight(params, raw, gpus=[])
+    assert expected in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_source_outside_the_raw_folder_is_refused(tmp_path: Path) -> None:
+    _raw(tmp_path, "outside.npz", x=np.zeros((20, 4, 4)), y=np.arange(20) % 2)
+    inside = tmp_path / "raw" / "sub"
+    inside.mkdir()
+    (inside / "link.npz").symlink_to(tmp_path / "raw" / "outside.npz")
+    for source in ("../outside.npz", "link.npz"):
+        params = load_params(_params(tmp_path, **{"data.source": source}))
+        with pytest.raises(DataError, match="resolves outside"):
+            preflight(params, inside, gpus=[])
+    # Negative control: the same file inside the folder is accepted.
+    params = load_params(_params(tmp_path, **{"data.source": "outside.npz"}))
+    assert "20 samples" in preflight(params, tmp_path / "raw", gpus=[])
+
+
+def test_a_gpu_asked_for_where_none_is_visible_is_refused(tmp_path: Path) -> None:
+    params = load_params(_params(tmp_path, **{"train.accelerator": "gpu"}))
+    with pytest.raises(DataError, match=r"train.accelerator: gpu.*set train.accelerator: cpu"):
+        preflight(params, tmp_path, gpus=[])
+    big = [{"name": "A", "memory": "81559 MiB"}]
+    assert "checked params" in preflight(params, tmp_path, gpus=big)
+    small = [{"name": "A", "memory": "1 MiB"}]
+    with pytest.raises(DataError, match="GiB to train"):
+        preflight(params, tmp_path, gpus=small)
+
+
+def test_memory_estimate_grows_with_the_batch(tmp_path: Path) -> None:
+    small = load_params(_params(tmp_path, **{"data.batch_size": 8}))
+    large = load_params(_params(tmp_path, **{"data.batch_size": 4096}))
+    assert training_bytes(large, (1, 64, 64), 10) > training_bytes(small, (1, 64, 64), 10)
+
+
+def _manifest(repo: Path) -> dict[str, str]:
+    files = [repo / "dvc.lock"]
+    for folder in ("models", "reports", "data/prepared"):
+        files += sorted(p for p in (repo / folder).rglob("*") if p.is_file())
+    return {str(p.relative_to(repo)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+#: name -> (params.yaml changes, raw file arrays or None, text the one error line must hold)
+CATALOG = {
+    "deterministic: maybe": ({"deterministic": "maybe"}, None, "deterministic"),
+    "model.dropout: 1.5": ({"model.dropout": 1.5}, None, "model.dropout"),
+    "data.batch_size: '64'": ({"data.batch_size": "64"}, None, "data.batch_size"),
+    "train.lr: 0": ({"train.lr": 0}, None, "train.lr"),
+    "fractions add to 1": (
+        {"data.val_fraction": 0.5, "data.test_fraction": 0.5},
+        None,
+        "data.val_fraction + data.test_fraction",
+    ),
+    "unknown source": ({"data.source": "nope.csv"}, None, "data.source"),
+    "source outside data/raw": ({"data.source": "../outside.npz"}, None, "resolves outside"),
+    "gpu without CUDA": ({"train.accelerator": "gpu"}, None, "train.accelerator"),
+    "npz with NaN": (
+        {"data.source": "user.npz"},
+        {"x": np.full((30, 4, 4), np.nan), "y": np.arange(30) % 3},
+        "user.npz",
+    ),
+    "npz with negative labels": (
+        {"data.source": "user.npz"},
+        {"x": np.zeros((30, 4, 4)), "y": -np.ones(30, int)},
+        "user.npz",
+    ),
+    "npz without y": ({"data.source": "user.npz"}, {"x": np.zeros((30, 4, 4))}, "user.npz"),
+    "npz too large to train": (
+        {"data.source": "user.npz"},
+        {"x": np.zeros((4, 1, 4000, 4000), np.float32), "y": np.arange(4) % 2},
+        "GiB to train",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CATALOG)
+def test_bad_input_through_dvc_repro_keeps_every_earlier_output(repo_copy: Path, case: str) -> None:
+    changes, arrays, expected = CATALOG[case]
+    before = _manifest(repo_copy)
+    _params(repo_copy, **changes)
+    if arrays is not None:
+        np.savez(repo_copy / "data/raw/user.npz", **arrays)
+    result = subprocess.run(
+        ["dvc", "repro"], cwd=repo_copy, env=cli_env(), capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("reprotrain: error:")]
+    assert len(errors) == 1 and expected in errors[0], result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert _manifest(repo_copy) == before
+
+
+def test_env_stage_cli_refuses_bad_params_and_keeps_its_record(tmp_path: Path) -> None:
+    out = tmp_path / "environment.json"
+    out.write_text("previous record")
+    _params(tmp_path, **{"model.dropout": 1.5})
+    lock = ROOT / "requirements-cpu.lock"
+    cmd = ["reprotrain", "env", "--lock", str(lock), "--raw-dir", "raw", "--out", str(out)]
+    (tmp_path / "raw").mkdir()
+    env = cli_env()
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and "model.dropout" in result.stderr
+    assert out.read_text() == "previous record"
+    _params(tmp_path)
+    ok = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert out.read_text() != "previous record"
+    assert out.stat().st_size > 100
