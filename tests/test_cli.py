@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 
@@ -50,3 +51,47 @@ def test_running_a_command_does_import_what_it_needs() -> None:
     assert code == 0 and "torch" not in heavy
     code, heavy = _imported_after(["ops", "--only", "no-such-op", "--repeats", "2"])
     assert "torch" in heavy
+
+
+def test_a_usage_error_is_one_line_that_says_where_to_look() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "reprotrain", "compare", "a", "b", "--bogus"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=cli_env(),
+    )
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "reprotrain: error: unrecognized arguments: --bogus; see `reprotrain compare --help`"
+    ]
+
+
+def _fail_with(monkeypatch: pytest.MonkeyPatch, error: OSError) -> int:
+    import reprotrain.commands.compare as command
+    from reprotrain.cli import main
+
+    def broken(*_: object) -> int:
+        raise error
+
+    monkeypatch.setattr(command, "run", broken)
+    return main(["compare", "a", "b"])
+
+
+def test_a_full_disk_is_one_line_with_the_file_and_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("DVC_STAGE", raising=False)
+    full = OSError(errno.ENOSPC, "No space left on device", "models/model.safetensors")
+    assert _fail_with(monkeypatch, full) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "reprotrain: error: models/model.safetensors: No space left on device; "
+        "free disk space there and rerun"
+    ]
+    # Under dvc repro the line also says where the stage's previous outputs are.
+    monkeypatch.setenv("DVC_STAGE", "train")
+    assert _fail_with(monkeypatch, full) == 2
+    assert "`dvc checkout train` restores them" in capsys.readouterr().err
+    # Negative control: other OS errors are not dressed up as storage errors.
+    with pytest.raises(FileNotFoundError):
+        _fail_with(monkeypatch, FileNotFoundError(errno.ENOENT, "No such file", "x"))

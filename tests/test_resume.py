@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -93,6 +95,37 @@ def test_kill_9_then_rerun_resumes_to_the_same_bits(
         json.loads((tmp_path / "run.json").read_text())["run_id"]
         == json.loads((straight_run / "run.json").read_text())["run_id"]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_sigint_ends_in_one_line_and_the_rerun_has_the_same_bits(
+    signum: int, prepared: Path, env_record: Path, straight_run: Path, tmp_path: Path
+) -> None:
+    argv = _train_argv(prepared, tmp_path, env_record)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reprotrain", *argv],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not list((tmp_path / "ckpt").glob("*/epoch=0.ckpt.sha256")):
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint"
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("reprotrain: error: training interrupted"), stderr
+    assert "rerun the same command" in last and ".ckpt, is kept" in last
+    assert not (tmp_path / "model.safetensors").exists()
+    result = run_cli(*argv, cwd=tmp_path)
+    assert result.returncode == 0 and "resumed from epoch=" in result.stdout, result.stderr
+    for name in ("model.safetensors", "trace.safetensors", "metrics.json"):
+        assert sha256_file(tmp_path / name) == sha256_file(straight_run / name), name
 
 
 @pytest.fixture(scope="module")

@@ -126,3 +126,12 @@ def test_gpu_twin_two_fresh_gpu_trainings_give_identical_bits(
     assert result.returncode == 0, result.stdout + result.stderr
     assert "IDENTICAL (2 runs)" in result.stdout
     assert "IDENTICAL: the same bits" in result.stdout
+
+
+def test_verify_that_fails_leaves_no_temporary_folder(repo_copy: Path, tmp_path: Path) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    result = run_cli("verify", "-S", "model.dropout=1.5", cwd=repo_copy, TMPDIR=str(scratch))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "model.dropout" in result.stderr
+    assert not list(scratch.glob("reprotrain-verify-*"))

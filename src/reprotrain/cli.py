@@ -20,10 +20,13 @@ determinism guarantee cannot be honoured in this process.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import NoReturn
 
 from reprotrain.pipeline.arguments import COMMANDS, add_override_option
 
@@ -45,6 +48,8 @@ REEXEC = (
 EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NOT_DETERMINISTIC = 3
+#: As a shell reports a process ended by SIGINT.
+EXIT_INTERRUPTED = 130
 
 
 def _module(name: str) -> ModuleType:
@@ -53,7 +58,7 @@ def _module(name: str) -> ModuleType:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command; it imports none of their modules."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="reprotrain", description="Bitwise-reproducible Lightning training with DVC."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -93,11 +98,15 @@ def main(argv: list[str] | None = None) -> int:
             from reprotrain.determinism import reexec_with_fixed_hash_seed
 
             reexec_with_fixed_hash_seed()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.prog = f"reprotrain {args.command}"
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
 
     from reprotrain.determinism import DeterminismError
     from reprotrain.pipeline.config import ConfigError, load_params, render_defaults
-    from reprotrain.pipeline.errors import DataError
+    from reprotrain.pipeline.errors import DataError, Interrupted
     from reprotrain.provenance import ChecksumError
 
     def bad_input() -> tuple[type[Exception], ...]:
@@ -124,8 +133,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reprotrain {args.command}: {result}")
         return 0
     except bad_input() as err:
-        print(f"reprotrain: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _fail(f"{err}", EXIT_BAD_INPUT)
     except DeterminismError as err:
-        print(f"reprotrain: error: {err}", file=sys.stderr)
-        return EXIT_NOT_DETERMINISTIC
+        return _fail(f"{err}", EXIT_NOT_DETERMINISTIC)
+    except OSError as err:
+        if err.errno not in STORAGE_ERRORS:
+            raise
+        return _fail(f"{err.filename or 'a file'}: {err.strerror}; {STORAGE_ERRORS[err.errno]}", 2)
+    except Interrupted as err:
+        return _fail(f"{err}", EXIT_INTERRUPTED)
+    except KeyboardInterrupt:
+        return _fail("interrupted; rerun the same command to start again", EXIT_INTERRUPTED)
+
+
+#: errno -> what to do, for the storage errors that end a command with one line.
+STORAGE_ERRORS = {
+    errno.ENOSPC: "free disk space there and rerun",
+    errno.EDQUOT: "free space in your quota and rerun",
+    errno.EACCES: "make the folder writable (or point the stage elsewhere) and rerun",
+    errno.EPERM: "make the folder writable (or point the stage elsewhere) and rerun",
+    errno.EROFS: "the file system is read-only; point the stage at a writable folder",
+}
+
+
+def _fail(message: str, code: int) -> int:
+    """Print one error line; under ``dvc repro``, say where the stage's old outputs are."""
+    stage = os.environ.get("DVC_STAGE")
+    if stage and stage != "env":
+        message += (
+            f" (dvc repro removed stage {stage}'s previous outputs before running it; they are "
+            f"in the DVC cache: `dvc checkout {stage}` restores them)"
+        )
+    print(f"reprotrain: error: {message}", file=sys.stderr)
+    return code
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line with where to look, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"reprotrain: error: {message}; see `{self.prog} --help`\n")

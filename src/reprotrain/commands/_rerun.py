@@ -12,10 +12,12 @@ use every core were slower together than one after the other.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,20 +38,29 @@ class Workspace(NamedTuple):
     record: dict[str, Any]
 
 
-def rerun_workspace(dvc_yaml: Path, folder: Path | None, command: str) -> Workspace:
+@contextlib.contextmanager
+def rerun_workspace(dvc_yaml: Path, folder: Path | None, command: str) -> Iterator[Workspace]:
     """Ready ``folder`` (default: a new temporary one) for fresh runs of the train stage.
 
     Prepares the data if it is missing and writes the environment record the
     ``env`` stage would write now (same lock), which every run trains with.
+    A temporary folder is removed if the command fails; on success the
+    command decides whether to keep it (verify keeps runs that differ).
     """
     train_args = stage_arguments("train", dvc_yaml)
     ensure_prepared(train_args.data, command)
+    temporary = folder is None
     folder = folder or Path(tempfile.mkdtemp(prefix=f"reprotrain-{command}-"))
-    folder.mkdir(parents=True, exist_ok=True)
-    environment = folder / FLAT["environment"]
-    record = record_environment(stage_arguments("env", dvc_yaml).lock)
-    atomic_write_text(environment, canonical_json(record))
-    return Workspace(train_args, folder, environment, record)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        environment = folder / FLAT["environment"]
+        record = record_environment(stage_arguments("env", dvc_yaml).lock)
+        atomic_write_text(environment, canonical_json(record))
+        yield Workspace(train_args, folder, environment, record)
+    except BaseException:
+        if temporary:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def ensure_prepared(data: Path, command: str) -> None:

@@ -143,7 +143,10 @@ def find_run(spec: str, repo: Path, scratch: Path) -> RunFiles:
         return run_in_folder(Path(spec), spec)
     if is_revision(repo, spec):
         return run_at_revision(repo, spec, scratch)
-    raise DataError(f"{spec}: neither a folder nor a git revision of {repo}")
+    raise DataError(
+        f"{spec}: neither a folder nor a git revision of {repo}; pass a run folder (with "
+        "model.safetensors) or a commit, branch or tag (`--repo` names another repository)"
+    )
 
 
 def _json(path: Path | None) -> dict[str, Any]:

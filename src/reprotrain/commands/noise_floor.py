@@ -55,10 +55,17 @@ def run(_: object, args: argparse.Namespace) -> int:
             "-S deterministic=...: noise-floor sets `deterministic` itself (false, then true); "
             "drop that override"
         )
-    train_args, workdir, environment, record = rerun_workspace(
-        args.dvc_yaml, args.workdir, "noise-floor"
-    )
+    with rerun_workspace(args.dvc_yaml, args.workdir, "noise-floor") as workspace:
+        return _noise_floor(args, *workspace)
 
+
+def _noise_floor(
+    args: argparse.Namespace,
+    train_args: argparse.Namespace,
+    workdir: Path,
+    environment: Path,
+    record: dict[str, Any],
+) -> int:
     modes: dict[str, Any] = {}
     for name, value in MODES.items():
         overrides = [*args.overrides, f"deterministic={value}"]

@@ -47,10 +47,17 @@ EXIT_DIFFERENT = 1
 def run(_: object, args: argparse.Namespace) -> int:
     if args.runs < 2 and not args.against:
         raise DataError(f"--runs {args.runs}: verify needs at least 2 runs to compare")
-    train_args, workdir, environment, record = rerun_workspace(
-        args.dvc_yaml, args.workdir, "verify"
-    )
+    with rerun_workspace(args.dvc_yaml, args.workdir, "verify") as workspace:
+        return _verify(args, *workspace)
 
+
+def _verify(
+    args: argparse.Namespace,
+    train_args: argparse.Namespace,
+    workdir: Path,
+    environment: Path,
+    record: dict[str, Any],
+) -> int:
     runs = args.runs
     reference = None
     if args.against:

@@ -5,3 +5,7 @@ from __future__ import annotations
 
 class DataError(ValueError):
     """A data, model, lock or record file is missing or malformed; the message names it."""
+
+
+class Interrupted(Exception):
+    """Training stopped by SIGINT or SIGTERM; the message says which checkpoint resumes it."""

@@ -25,17 +25,20 @@ settings) is part of the run inputs, so it is part of the run ID.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
+import signal
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from safetensors.torch import save_file
 
 from reprotrain.atomic import atomic_path, atomic_write_text
@@ -56,6 +59,7 @@ from reprotrain.hashing import canonical_json, safetensors_metadata
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.curves import CurveCheckpoint, MemoryLogger
 from reprotrain.pipeline.data import PreparedData, PreparedDataModule, load_prepared
+from reprotrain.pipeline.errors import Interrupted
 from reprotrain.pipeline.model import Classifier
 from reprotrain.pipeline.run_record import load_environment, run_inputs, write_run_record
 from reprotrain.provenance import run_id
@@ -243,13 +247,52 @@ def fit(
         **settings.trainer_flags(),
     )
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
-    except RuntimeError as err:
-        explained = explain_nondeterministic_error(err)
+        with _sigint_as_sigterm() as got:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    except (SIGTERMException, RuntimeError) as err:
+        # Lightning stops at the end of a batch after SIGTERM (SIGTERMException), or the
+        # DataLoader-worker error comes first when the signal reached the workers too.
+        if trainer.received_sigterm:
+            raise Interrupted(_interrupted(checkpoint_dir, got["signal"])) from None
+        explained = explain_nondeterministic_error(err)  # type: ignore[arg-type]
         if explained is None:
             raise
         raise explained from None
     return module, logger
+
+
+@contextlib.contextmanager
+def _sigint_as_sigterm() -> Iterator[dict[str, str]]:
+    """Ctrl-C takes Lightning's SIGTERM path: stop after the batch, on every rank.
+
+    A KeyboardInterrupt can land anywhere, even in a finaliser where Python
+    ignores it (seen: training then finished with exit 0); a flag checked at
+    batch end cannot be lost. Yields which signal arrived.
+    """
+    got = {"signal": "SIGTERM"}
+
+    def forward(signum: int, frame: object) -> None:
+        got["signal"] = "SIGINT"
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGINT, forward)
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted(checkpoint_dir: Path | None, name: str) -> str:
+    kept = None
+    if checkpoint_dir is not None and checkpoint_dir.is_dir():
+        kept = latest_checkpoint(checkpoint_dir)
+    where = (
+        f"its last checkpoint, {kept.name}, is kept" if kept else "no checkpoint was written yet"
+    )
+    return (
+        f"training interrupted ({name}); {where}: rerun the same "
+        "command or `dvc repro` to resume, with the same bits as an uninterrupted run"
+    )
 
 
 def _write_outputs(
