@@ -136,8 +136,6 @@ def kill_tree(roots) -> None:
 
 def kill_after_checkpoint(argv: list[str], ckpt_root: Path, min_epoch: int, cwd: Path) -> None:
     """Start `reprotrain train`, SIGKILL it at a random moment after epoch `min_epoch` is saved."""
-    from reprotrain.resume import sidecar  # Lightning: only for the tests that need it
-
     proc = subprocess.Popen(
         [sys.executable, "-m", "reprotrain", *argv],
         cwd=cwd,
@@ -145,17 +143,49 @@ def kill_after_checkpoint(argv: list[str], ckpt_root: Path, min_epoch: int, cwd:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    wait_for_checkpoint(proc, ckpt_root, min_epoch)
+    time.sleep(random.uniform(0, 0.2))  # inside the next epoch, well before the end
+    kill_tree([psutil.Process(proc.pid)])
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+
+
+#: A value for :func:`params_with` that removes the key.
+DELETE = object()
+
+
+def params_with(changes: dict[str, object]) -> dict:
+    """The default params as a YAML-ready dict, with dotted ``changes`` applied as given."""
+    import yaml
+
+    from reprotrain.pipeline.config import render_defaults
+
+    raw = yaml.safe_load(render_defaults())
+    for key, value in changes.items():
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            node = node[part]
+        if value is DELETE:
+            del node[leaf]
+        else:
+            node[leaf] = value
+    return raw
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, ckpt_root: Path, min_epoch: int) -> None:
+    """Block until ``proc`` has written a verified checkpoint of epoch ``min_epoch`` or later."""
+    from reprotrain.resume import sidecar  # Lightning: only for the tests that need it
+
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
+    while True:
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        assert proc.poll() is None, "the run finished before its checkpoint was seen"
         done = [
             int(p.name.removeprefix("epoch=").removesuffix(".ckpt"))
             for p in ckpt_root.glob("*/epoch=*.ckpt")
             if sidecar(p).is_file()
         ]
         if done and max(done) >= min_epoch:
-            time.sleep(random.uniform(0, 0.2))  # inside the next epoch, well before the end
-            kill_tree([psutil.Process(proc.pid)])
-            break
+            return
         time.sleep(0.02)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"

@@ -15,7 +15,7 @@ from reprotrain.pipeline.config import (
     parse_params,
     render_defaults,
 )
-from tests.helpers import run_cli, run_in_process
+from tests.helpers import DELETE, params_with, run_cli, run_in_process
 
 
 def _defaults() -> dict:
@@ -39,19 +39,10 @@ def test_rendered_defaults_load_back_to_the_defaults() -> None:
 
 
 def _with(path: str, value: object) -> dict:
-    raw = _defaults()
-    *parents, leaf = path.split(".")
-    node = raw
-    for part in parents:
-        node = node[part]
-    if value is _DELETE:
-        del node[leaf]
-    else:
-        node[leaf] = value
-    return raw
+    return params_with({path: value})
 
 
-_DELETE = object()
+_DELETE = DELETE
 
 
 @pytest.mark.parametrize(

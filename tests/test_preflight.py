@@ -13,25 +13,15 @@ import yaml
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.preflight import network_parameters, preflight, training_bytes
-from tests.helpers import ROOT, cli_env
+from tests.helpers import ROOT, cli_env, params_with
 
 DEFAULTS = ROOT / "params.yaml"
 
 
 def _params(tmp_path: Path, **changes: object) -> Path:
     """params.yaml with ``changes`` (dotted keys) applied, raw YAML values kept as given."""
-    raw = yaml.safe_load(DEFAULTS.read_text())
-    for key, value in changes.items():
-        *parents, leaf = key.split(".")
-        node = raw
-        for part in parents:
-            node = node[part]
-        if value is None:
-            del node[leaf]
-        else:
-            node[leaf] = value
     path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path.write_text(yaml.safe_dump(params_with(changes)))
     return path
 
 

@@ -30,6 +30,7 @@ from tests.helpers import (
     run_checked,
     run_cli,
     train_argv,
+    wait_for_checkpoint,
 )
 
 EPOCHS = 4
@@ -111,10 +112,7 @@ def test_sigterm_or_sigint_ends_in_one_line_and_the_rerun_has_the_same_bits(
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 300
-    while not list((tmp_path / "ckpt").glob("*/epoch=0.ckpt.sha256")):
-        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint"
-        time.sleep(0.02)
+    wait_for_checkpoint(proc, tmp_path / "ckpt", 0)
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr

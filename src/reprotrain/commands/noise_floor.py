@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from reprotrain.atomic import atomic_write_text
-from reprotrain.commands._rerun import rerun_workspace, train_fresh
+from reprotrain.commands._rerun import Workspace, rerun_workspace, train_fresh
 from reprotrain.commands._rundiff import (
     FLAT,
     METRICS,
@@ -56,16 +56,11 @@ def run(_: object, args: argparse.Namespace) -> int:
             "drop that override"
         )
     with rerun_workspace(args.dvc_yaml, args.workdir, "noise-floor") as workspace:
-        return _noise_floor(args, *workspace)
+        return _noise_floor(args, workspace)
 
 
-def _noise_floor(
-    args: argparse.Namespace,
-    train_args: argparse.Namespace,
-    workdir: Path,
-    environment: Path,
-    record: dict[str, Any],
-) -> int:
+def _noise_floor(args: argparse.Namespace, workspace: Workspace) -> int:
+    train_args, workdir, environment, record = workspace
     modes: dict[str, Any] = {}
     for name, value in MODES.items():
         overrides = [*args.overrides, f"deterministic={value}"]

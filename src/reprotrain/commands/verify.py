@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from reprotrain.commands._rerun import rerun_workspace, train_fresh
+from reprotrain.commands._rerun import Workspace, rerun_workspace, train_fresh
 from reprotrain.commands._rundiff import (
     RunComparison,
     RunFiles,
@@ -48,16 +48,11 @@ def run(_: object, args: argparse.Namespace) -> int:
     if args.runs < 2 and not args.against:
         raise DataError(f"--runs {args.runs}: verify needs at least 2 runs to compare")
     with rerun_workspace(args.dvc_yaml, args.workdir, "verify") as workspace:
-        return _verify(args, *workspace)
+        return _verify(args, workspace)
 
 
-def _verify(
-    args: argparse.Namespace,
-    train_args: argparse.Namespace,
-    workdir: Path,
-    environment: Path,
-    record: dict[str, Any],
-) -> int:
+def _verify(args: argparse.Namespace, workspace: Workspace) -> int:
+    train_args, workdir, environment, record = workspace
     runs = args.runs
     reference = None
     if args.against:
