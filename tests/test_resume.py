@@ -126,6 +126,30 @@ def test_sigterm_or_sigint_ends_in_one_line_and_the_rerun_has_the_same_bits(
         assert sha256_file(tmp_path / name) == sha256_file(straight_run / name), name
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", ["outputs", "trace", "run_record", "cleanup"])
+def test_kill_after_the_final_checkpoint_then_rerun_gives_the_same_bits(
+    kill_at: str, prepared: Path, env_record: Path, straight_run: Path, tmp_path: Path
+) -> None:
+    argv = _train_argv(prepared, tmp_path, env_record)
+    inject = {"PYTHONPATH": str(ROOT / "tests" / "inject"), "REPROTRAIN_TEST_KILL_AT": kill_at}
+    killed = run_cli(*argv, cwd=tmp_path, **inject)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    final = f"epoch={EPOCHS - 1}.ckpt"
+    assert list((tmp_path / "ckpt").glob(f"*/{final}")), "killed before the final checkpoint"
+    result = run_cli(*argv, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {final}" in result.stdout
+    names = ("model.safetensors", "trace.safetensors", "metrics.json", "plots/train_loss.csv")
+    for name in (*names, "plots/val.csv"):
+        assert sha256_file(tmp_path / name) == sha256_file(straight_run / name), name
+    run_ids = [
+        json.loads((run / "run.json").read_text())["run_id"] for run in (tmp_path, straight_run)
+    ]
+    assert run_ids[0] == run_ids[1]
+    assert not any((tmp_path / "ckpt").rglob("*.ckpt")), "checkpoints are dropped after success"
+
+
 @pytest.fixture(scope="module")
 def interrupted(prepared: Path, env_record: Path, tmp_path_factory) -> Path:
     """A train run killed (SIGKILL) right after its first checkpoint; copy before changing it."""

@@ -17,7 +17,7 @@ Fingerprints (:mod:`reprotrain.devicehash`) are exact integer hashes of the
 bits, computed on the tensors' device, kept there until every ``flush_every``
 rows. The same run gives the same trace file, byte for byte.
 
-Limits: only trainable parameters (as of ``on_train_start``); no buffers
+Limits: only trainable parameters (as of ``on_fit_start``); no buffers
 (BatchNorm statistics), optimizer state, non-tensor batch items or
 non-global generators (a DataLoader's own generator shows in the batch).
 
@@ -128,7 +128,9 @@ class TraceCallback(Callback):
         self.detail, self.flush_every = detail, flush_every
         self._restored: dict[str, Any] | None = None
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # on_fit_start, not on_train_start: a fit resumed from its final checkpoint runs no
+        # training loop (no on_train_start / on_train_end), and must still write its trace.
         named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         self._names, self._params = tuple(n for n, _ in named), [p for _, p in named]
         self._device = pl_module.device
@@ -236,7 +238,7 @@ class TraceCallback(Callback):
             self._flushed.append(torch.stack(self._pending).cpu().numpy())
             self._pending = []
 
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._gathered = gather_from_ranks(self._local_state())
         if trainer.is_global_zero and self.path is not None:
             self.write(self.path)

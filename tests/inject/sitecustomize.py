@@ -8,6 +8,8 @@ stand-in for a non-deterministic backward kernel, which verify, compare and loca
 ``REPROTRAIN_TEST_NOISE_RANK=r`` limits it to DDP rank r; ``REPROTRAIN_TEST_NOISE_IN=forward``
 adds the noise to the forward pass instead (a difference that stays on that rank's loss).
 ``REPROTRAIN_TEST_SKEW_RANK=r`` gives rank r other run inputs (so another run ID).
+``REPROTRAIN_TEST_KILL_AT=outputs|trace|run_record|cleanup`` SIGKILLs the train stage after
+its final checkpoint: before its first output, its trace, its run record, or just after it.
 """
 
 from __future__ import annotations
@@ -78,3 +80,35 @@ if os.environ.get("REPROTRAIN_TEST_SKEW_RANK") is not None:
         return inputs
 
     pipeline_train.stage_inputs = stage_inputs
+
+if os.environ.get("REPROTRAIN_TEST_KILL_AT") is not None:
+    # SIGKILL the train stage at one point between its final checkpoint and its last write:
+    # before the model/metrics/plots, before the trace, before or after the run record.
+    import signal
+
+    import reprotrain.pipeline.stages.train as pipeline_train
+    import reprotrain.trace as trace_module
+
+    where = os.environ["REPROTRAIN_TEST_KILL_AT"]
+
+    def _die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _killing(original, after: bool = False):
+        def wrapped(*args: object, **kwargs: object) -> object:
+            if not after:
+                _die()
+            result = original(*args, **kwargs)
+            _die()
+            return result
+
+        return wrapped
+
+    if where == "outputs":
+        pipeline_train._write_outputs = _killing(pipeline_train._write_outputs)
+    elif where == "trace":
+        trace_module.TraceCallback.write = _killing(trace_module.TraceCallback.write)
+    elif where == "run_record":
+        pipeline_train.write_run_record = _killing(pipeline_train.write_run_record)
+    elif where == "cleanup":
+        pipeline_train.write_run_record = _killing(pipeline_train.write_run_record, after=True)
