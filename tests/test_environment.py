@@ -59,7 +59,7 @@ def test_a_drifted_pin_is_listed(tmp_path: Path) -> None:
         (("torch", "version"), "2.13.1"),
         (("gpu",), [{"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"}]),
         (("lock", "sha256"), "0" * 64),
-        (("variables", "OMP_NUM_THREADS"), "1"),
+        (("variables", "OMP_NUM_THREADS"), "7"),
     ],
 )
 def test_any_recorded_change_changes_the_fingerprint(path: tuple[str, ...], value: object) -> None:
