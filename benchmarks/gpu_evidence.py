@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 import shutil
@@ -316,6 +317,33 @@ def _ignored(folder: str, names: list[str]) -> list[str]:
     return [n for n in names if n in (".venv", ".git", "checkpoints", "__pycache__")]
 
 
+def twin_difference(result: dict[str, Any]) -> str:
+    """How two runs of a twin step differ: the largest weight difference, the first step."""
+    return (
+        f"max |weight diff| {result['max_abs_weight_diff']:.3g}, "
+        f"first diverging step {result['first_diverging_step']}"
+    )
+
+
+def determinism_cost(bench: dict[str, Any]) -> str:
+    """The conv workload's determinism cost with its 95% interval, from ``bench``'s report."""
+    cost = bench["workloads"]["conv"]["determinism_cost"]
+    low, high = cost["ci95"]
+    return f"{cost['pct']:+.1f}% (95% CI {low:+.1f} .. {high:+.1f})"
+
+
+def not_repeatable(ops: dict[str, Any]) -> list[str]:
+    """The ops whose default mode gave different bits on repeated calls."""
+    return [op["name"] for op in ops["ops"] if op["default"] == "differs"]
+
+
+def trace_ratios(trace: dict[str, Any]) -> str:
+    """Step time with the default trace over tracing off, per model."""
+    return "; ".join(
+        f"{m['model'].split(' (')[0]} x{m['ratio_to_off']['default']:.3f}" for m in trace["models"]
+    )
+
+
 def headline(step: str, entry: dict[str, Any]) -> str:
     """One line per step for the summary."""
     if entry["status"] != "ok":
@@ -324,22 +352,14 @@ def headline(step: str, entry: dict[str, Any]) -> str:
     if step in ("twin_deterministic", "noise_floor", "ddp_twin"):
         if result["identical"]:
             return "bit-identical (model, trace, metrics)"
-        return (
-            f"differ: max |weight diff| {result['max_abs_weight_diff']:.3g}, "
-            f"first diverging step {result['first_diverging_step']}"
-        )
+        return f"differ: {twin_difference(result)}"
     if step == "bench":
-        cost = result["workloads"]["conv"]["determinism_cost"]
-        low, high = cost["ci95"]
-        return f"determinism cost {cost['pct']:+.1f}% (95% CI {low:+.1f} .. {high:+.1f})"
+        return f"determinism cost {determinism_cost(result)}"
     if step == "ops":
-        alerts = [op["name"] for op in result["ops"] if op["default"] == "differs"]
+        alerts = not_repeatable(result)
         return f"{len(result['ops'])} ops probed; not repeatable by default: {alerts or 'none'}"
     if step == "trace_overhead":
-        return "; ".join(
-            f"{m['model'].split(' (')[0]}: default x{m['ratio_to_off']['default']:.3f}"
-            for m in result["models"]
-        )
+        return f"default trace vs off: {trace_ratios(result)}"
     if step == "pytest_gpu":
         return (
             f"{result['passed']} passed, {result['failures'] + result['errors']} failed, "
@@ -392,8 +412,6 @@ def write_summary(ev: Evidence, entries: dict[str, dict[str, Any]]) -> None:
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    import json
-
     return json.loads(path.read_text())
 
 

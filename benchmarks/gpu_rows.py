@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gpu_evidence import determinism_cost, not_repeatable, trace_ratios, twin_difference
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = {
     "tradeoff": ROOT / "README.md",
@@ -55,12 +57,7 @@ def _result(evidence: dict[str, Any] | None, step: str) -> dict[str, Any] | None
 def _twin(result: dict[str, Any] | None) -> str:
     if result is None:
         return OWED
-    if result["identical"]:
-        return "yes, 2 of 2"
-    return (
-        f"no: max weight diff {result['max_abs_weight_diff']:.3g}, "
-        f"first diverging step {result['first_diverging_step']}"
-    )
+    return "yes, 2 of 2" if result["identical"] else f"no: {twin_difference(result)}"
 
 
 def _where(evidence: dict[str, Any] | None, up: str) -> str:
@@ -76,11 +73,7 @@ def render(name: str, evidence: dict[str, Any] | None) -> str:
         det = _twin(_result(evidence, "twin_deterministic"))
         fast = _twin(_result(evidence, "noise_floor"))
         bench = _result(evidence, "bench")
-        cost = OWED
-        if bench is not None:
-            effect = bench["workloads"]["conv"]["determinism_cost"]
-            low, high = effect["ci95"]
-            cost = f"{effect['pct']:+.1f}% (95% CI {low:+.1f} .. {high:+.1f})"
+        cost = OWED if bench is None else determinism_cost(bench)
         return "\n".join(
             [
                 "| | `true` | `false` | measured by |",
@@ -95,14 +88,9 @@ def render(name: str, evidence: dict[str, Any] | None) -> str:
         ops, trace = _result(evidence, "ops"), _result(evidence, "trace_overhead")
         alerts = OWED
         if ops is not None:
-            differs = [op["name"] for op in ops["ops"] if op["default"] == "differs"]
+            differs = not_repeatable(ops)
             alerts = f"{len(differs)} of {len(ops['ops'])}: {', '.join(differs) or 'none'}"
-        overhead = OWED
-        if trace is not None:
-            overhead = "; ".join(
-                f"{m['model'].split(' (')[0]} x{m['ratio_to_off']['default']:.3f}"
-                for m in trace["models"]
-            )
+        overhead = OWED if trace is None else trace_ratios(trace)
         return "\n".join(
             [
                 "| GPU measurement | result | source |",

@@ -139,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         if err.errno not in STORAGE_ERRORS:
             raise
-        return _fail(f"{err.filename or 'a file'}: {err.strerror}; {STORAGE_ERRORS[err.errno]}", 2)
+        return _fail(
+            f"{err.filename or 'a file'}: {err.strerror}; {STORAGE_ERRORS[err.errno]}",
+            EXIT_BAD_INPUT,
+        )
     except Interrupted as err:
         return _fail(f"{err}", EXIT_INTERRUPTED)
     except KeyboardInterrupt:
