@@ -92,14 +92,9 @@ def overrides(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point. ``argv=None`` means a real process start (may re-exec itself)."""
-    if argv is None:
-        argv = sys.argv[1:]
-        if argv and argv[0] in REEXEC:
-            from reprotrain.determinism import reexec_with_fixed_hash_seed
-
-            reexec_with_fixed_hash_seed()
+    started = argv is None
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if unknown:
         parser.prog = f"reprotrain {args.command}"
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -117,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         return (ConfigError, DataError, ChecksumError, *extra)
 
     try:
+        if started and args.command in REEXEC:
+            _restart_for_determinism(args)
         if args.command == "params":
             text = (
                 render_defaults()
@@ -147,6 +144,35 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"{err}", EXIT_INTERRUPTED)
     except KeyboardInterrupt:
         return _fail("interrupted; rerun the same command to start again", EXIT_INTERRUPTED)
+
+
+def _restart_for_determinism(args: argparse.Namespace) -> None:
+    """Restart with PYTHONHASHSEED and params' CPU profile variables fixed, before torch.
+
+    The profile comes from the params file the command reads (``--params``, with
+    its overrides), else ``params.yaml`` in the working directory if there is
+    one. An exported variable that contradicts it is refused under
+    ``deterministic: true`` and overridden with a warning otherwise.
+    """
+    from reprotrain.determinism import DeterminismError, reexec_with_fixed_hash_seed
+    from reprotrain.pipeline.config import load_params
+
+    given = getattr(args, "params", None)
+    path = given or Path("params.yaml")
+    if not path.is_file():
+        return reexec_with_fixed_hash_seed()
+    extra = overrides(args) if hasattr(args, "seed") else getattr(args, "overrides", [])
+    params = load_params(path, extra)
+    profile = params.cpu.to_profile()
+    if clashes := profile.contradictions():
+        message = (
+            f"{'; '.join(clashes)}: exported against cpu.profile: {profile.name}, cpu.threads: "
+            f"{profile.threads} ({path}); unset it, or change cpu.profile / cpu.threads"
+        )
+        if params.deterministic is True:
+            raise DeterminismError(message)
+        print(f"reprotrain: warning: {message} (overriding them)", file=sys.stderr)
+    reexec_with_fixed_hash_seed(profile.variables())
 
 
 #: errno -> what to do, for the storage errors that end a command with one line.

@@ -38,8 +38,12 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from reprotrain.cpuprofile import CpuProfile
 
 Mode = bool | Literal["warn"]
 
@@ -69,6 +73,7 @@ class DeterminismSettings:
     cudnn_deterministic: bool
     cudnn_benchmark: bool
     seed_workers: bool
+    cpu_profile: dict[str, Any] | None
     problems: tuple[str, ...]
 
     def as_dict(self) -> dict[str, Any]:
@@ -105,17 +110,19 @@ def hash_seed_fixed_at_start() -> bool:
     return child.stdout.strip() == str(hash(_HASH_PROBE))
 
 
-def reexec_with_fixed_hash_seed() -> None:
-    """Restart this process with ``PYTHONHASHSEED`` fixed, unless it already is.
+def reexec_with_fixed_hash_seed(variables: Mapping[str, str] | None = None) -> None:
+    """Restart this process with ``PYTHONHASHSEED`` (and ``variables``) fixed, unless they are.
 
     Call it before importing torch (the restart repeats everything done so
     far). It also sets ``CUBLAS_WORKSPACE_CONFIG`` for the new process so
-    cuBLAS sees it from the first handle on. Never returns when it restarts.
+    cuBLAS sees it from the first handle on. ``variables`` are others that only
+    work from process start, e.g. a :class:`~reprotrain.cpuprofile.CpuProfile`'s
+    ``variables()``; they replace exported values. Never returns when it restarts.
     """
-    if hash_seed_fixed_at_start():
+    wanted = dict(variables or {})
+    if hash_seed_fixed_at_start() and all(os.environ.get(k) == v for k, v in wanted.items()):
         return
-    env = dict(os.environ)
-    env["PYTHONHASHSEED"] = FIXED_HASH_SEED
+    env = {**os.environ, **wanted, "PYTHONHASHSEED": FIXED_HASH_SEED}
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
     # sys.orig_argv is the interpreter's own command line (python, -m/script, args...).
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
@@ -151,13 +158,17 @@ def _check_preconditions(hash_ok: bool, cuda_up: bool) -> list[str]:
     return problems
 
 
-def configure_determinism(seed: int, mode: Mode = True) -> DeterminismSettings:
+def configure_determinism(
+    seed: int, mode: Mode = True, cpu_profile: CpuProfile | None = None
+) -> DeterminismSettings:
     """Seed everything and apply the determinism flags for ``mode``; return what is in force.
 
     ``mode`` is ``True`` (fail closed), ``"warn"`` (same flags, problems and
     non-deterministic ops become warnings) or ``False`` (fast: autotuning on).
+    ``cpu_profile`` (:mod:`reprotrain.cpuprofile`) also fixes the CPU kernels and
+    threads; its variables must have been exported at process start.
     Raises :class:`DeterminismError` in ``True`` mode when a precondition in
-    the module docstring does not hold.
+    the module docstring (or of the profile) does not hold.
     """
     if not (mode is True or mode is False or mode == "warn"):
         raise ValueError(f"mode must be True, False or 'warn', got {mode!r}")
@@ -165,10 +176,10 @@ def configure_determinism(seed: int, mode: Mode = True) -> DeterminismSettings:
     enabled = mode is not False
     hash_ok = hash_seed_fixed_at_start()
     cuda_up = _cuda_initialized()
-    problems: list[str] = []
+    problems: list[str] = cpu_profile.apply() if cpu_profile is not None else []
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
-        problems = _check_preconditions(hash_ok, cuda_up)
+        problems = _check_preconditions(hash_ok, cuda_up) + problems
         if problems and strict:
             raise DeterminismError("cannot guarantee determinism: " + "; ".join(problems))
         for problem in problems:
@@ -194,6 +205,7 @@ def configure_determinism(seed: int, mode: Mode = True) -> DeterminismSettings:
         cudnn_deterministic=torch.backends.cudnn.deterministic,
         cudnn_benchmark=torch.backends.cudnn.benchmark,
         seed_workers=os.environ.get("PL_SEED_WORKERS") == "1",
+        cpu_profile=None if cpu_profile is None else cpu_profile.record(),
         problems=tuple(problems),
     )
 

@@ -3,12 +3,16 @@
 DVC hashes data, code and params but not the machine. :func:`capture_environment`
 records what does decide a run's floating-point results: Python; torch and the
 CUDA, cuDNN, cuBLAS and NCCL builds it runs on; GPU models, compute capability
-and driver; the CPU model and the instruction-set features ATen's kernels
-dispatch on; the variables that fix thread counts and determinism; the OS,
-kernel and glibc; the lock file's sha256 and whether the installed packages
-match it exactly; the container image. It holds no time, host name, PID or
-absolute path, so :func:`canonical_json` of it is byte-stable on one machine
-and a DVC stage that writes it retrains downstream exactly when it changes.
+and driver; the CPU profile and its pins (:mod:`reprotrain.cpuprofile`), or
+under ``native`` the CPU model and the instruction-set features ATen's kernels
+dispatch on; the variables that fix thread counts and determinism; the OS and
+glibc; the lock file's sha256 and whether the installed packages match it
+exactly; the container image. Host facts that do not decide the bits (CPU
+model and flags under ``portable``, core count, memory, kernel) sit apart in
+its ``host`` section; :func:`bit_deciding` drops it, and only that part is a
+cache key. No time, host name, PID or absolute path anywhere, so
+:func:`canonical_json` of the deciding part is byte-stable and a DVC stage
+that writes it retrains downstream exactly when it changes.
 
 It never imports torch (that alone costs more than a second): versions come
 from package metadata and ``torch/version.py``, GPUs from ``nvidia-smi``.
@@ -33,6 +37,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from reprotrain.cpuprofile import NEUTRALISED, CpuProfile
 from reprotrain.hashing import canonical_json, sha256_file
 
 #: CPU flags that change which SIMD kernels ATen and oneDNN pick.
@@ -58,14 +63,19 @@ SHAPING_VARIABLES = (
     "ATEN_CPU_CAPABILITY",
     "CUBLAS_WORKSPACE_CONFIG",
     "CUDA_LAUNCH_BLOCKING",
+    "MKL_CBWR",
+    "MKL_ENABLE_INSTRUCTIONS",
     "MKL_NUM_THREADS",
     "NCCL_ALGO",
     "NCCL_PROTO",
     "NVIDIA_TF32_OVERRIDE",
     "OMP_NUM_THREADS",
+    "ONEDNN_MAX_CPU_ISA",
     "PYTHONHASHSEED",
     "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
 )
+#: The record's informational section: host facts that do not decide the bits.
+HOST_KEY = "host"
 #: Collective-communication settings: every set ``NCCL_*`` variable but these, which only log.
 COLLECTIVE_PREFIX = "NCCL_"
 COLLECTIVE_LOGGING = frozenset({"NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS"})
@@ -80,30 +90,73 @@ _CUDA_PACKAGES = {
 
 
 def capture_environment(
-    lock: str | Path | None, ignore_packages: Iterable[str] = ()
+    lock: str | Path | None,
+    ignore_packages: Iterable[str] = (),
+    cpu_profile: CpuProfile | None = None,
 ) -> dict[str, Any]:
-    """The environment record; ``lock`` is the requirements lock this install should match."""
+    """The environment record; ``lock`` is the requirements lock this install should match.
+
+    Everything but the ``host`` section decides the bits (:func:`bit_deciding`
+    returns it). Under a ``portable`` :class:`~reprotrain.cpuprofile.CpuProfile`
+    the CPU model and flags are only informational: the profile's pins decide
+    the kernels instead. Under ``native`` they decide, and without a profile the
+    usable CPU count does too (torch's default thread count follows it).
+    """
+    cpu = cpu_facts()
+    variables = {
+        **{name: os.environ.get(name) for name in SHAPING_VARIABLES},
+        **collective_variables(),
+    }
+    # Under portable these no longer change the kernels (oneDNN off, MKL's one code path).
+    neutralised = NEUTRALISED if cpu_profile is not None and cpu_profile.portable else ()
+    host_variables = {name: variables.pop(name) for name in neutralised}
+    if cpu_profile is None:
+        deciding_cpu = cpu
+    elif cpu_profile.portable:
+        deciding_cpu = cpu_profile.record()
+    else:
+        deciding_cpu = {
+            **cpu_profile.record(),
+            "model": cpu["model"],
+            "dispatch_flags": cpu["dispatch_flags"],
+        }
     return {
         "python": {"version": platform.python_version(), "implementation": sys.implementation.name},
         "torch": _torch_build(),
         "gpu": _gpus(),
-        "cpu": _cpu(),
+        "cpu": deciding_cpu,
         "os": {
             "system": platform.system(),
-            "kernel": platform.release(),
             "machine": platform.machine(),
             "libc": "-".join(platform.libc_ver()),
         },
-        "variables": {
-            **{name: os.environ.get(name) for name in SHAPING_VARIABLES},
-            **collective_variables(),
-        },
+        "variables": variables,
         "lock": lock_status(lock, ignore_packages) if lock else None,
         "container": {
             "base_image": os.environ.get(IMAGE_DIGEST_VARIABLE, "none"),
             "image_id": os.environ.get(IMAGE_ID_VARIABLE, "none"),
         },
+        HOST_KEY: {
+            "cpu": cpu,
+            "kernel": platform.release(),
+            "memory_gib": _memory_gib(),
+            "variables": host_variables,
+        },
     }
+
+
+def bit_deciding(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record without its informational ``host`` section: the cache key's part."""
+    return {key: value for key, value in record.items() if key != HOST_KEY}
+
+
+def _memory_gib() -> float | None:
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^MemTotal:\s*(\d+) kB", text, re.M)
+    return round(int(found.group(1)) / 2**20, 1) if found else None
 
 
 def collective_variables(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -166,7 +219,8 @@ def _gpus() -> list[dict[str, str]]:
     ]
 
 
-def _cpu() -> dict[str, Any]:
+def cpu_facts() -> dict[str, Any]:
+    """This CPU's model name, the dispatch-relevant flags it has, and the CPUs usable here."""
     model, flags = platform.processor() or "unknown", set()
     try:
         text = Path("/proc/cpuinfo").read_text()

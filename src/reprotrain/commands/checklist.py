@@ -26,10 +26,10 @@ from typing import Any, Literal
 import yaml
 
 from reprotrain.envdiff import compare_environments
-from reprotrain.environment import git_state
+from reprotrain.environment import bit_deciding, git_state
 from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.stages.env import record_environment
+from reprotrain.pipeline.stages.env import whole_environment
 from reprotrain.provenance import md5_file
 
 PARAMS: tuple[str, ...] = ()
@@ -93,7 +93,7 @@ def collect(dvc_yaml: Path) -> list[Item]:
     train_args = stage_arguments("train", dvc_yaml)
     run_record = _read_json(train_args.run_record) or {}
     recorded_env = _read_json(train_args.env)
-    current_env = record_environment(env_args.lock)
+    current_env = whole_environment(env_args.lock)
     outputs = (train_args.metrics.parent, train_args.run_record.parent, train_args.plots)
     exclude = (*map(str, outputs), str(train_args.dvc_lock or "dvc.lock"))
     return [
@@ -233,12 +233,28 @@ def _random_state_items(run_record: dict[str, Any], path: Path) -> list[Item]:
 def _hardware_items(
     current: dict[str, Any], recorded: dict[str, Any] | None, path: Path
 ) -> list[Item]:
-    devices = [g.get("name", "?") for g in current["gpu"]] or [current["cpu"]["model"]]
+    devices = [g.get("name", "?") for g in current["gpu"]] or [current["host"]["cpu"]["model"]]
     model = Item("hardware", "device model recorded", "pass", ", ".join(devices))
+    profile = current["cpu"]
+    if profile.get("profile") == "portable":
+        kernels = Item(
+            "hardware",
+            "CPU kernels independent of the CPU model",
+            "pass",
+            f"cpu.profile portable, {profile['threads']} thread(s): model and flags informational",
+        )
+    else:
+        kernels = Item(
+            "hardware",
+            "CPU kernels independent of the CPU model",
+            "warn",
+            "cpu.profile native: this CPU's instruction set decides the bits "
+            f"({', '.join(profile.get('dispatch_flags', []))})",
+        )
     reference = _committed_json(path) or recorded
     if reference is None:
-        return [model, Item("hardware", "same as reference run", "warn", "no reference record")]
-    diffs = compare_environments(reference, current)
+        return [model, kernels, Item("hardware", "same as reference run", "warn", "no reference")]
+    diffs = compare_environments(reference, bit_deciding(current))
     voiding = [d.key for d in diffs if d.voids]
     if voiding:
         detail = "bitwise equality not expected; differs in " + ", ".join(voiding[:6])
@@ -248,4 +264,4 @@ def _hardware_items(
         same = Item("hardware", "same as reference run", "warn", detail)
     else:
         same = Item("hardware", "same as reference run", "pass", "identical environment record")
-    return [model, same]
+    return [model, kernels, same]

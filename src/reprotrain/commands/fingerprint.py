@@ -23,7 +23,7 @@ PARAMS = train.PARAMS
 
 def run(params: Params, args: argparse.Namespace) -> int:
     environment = record_environment(stage_arguments("env", args.dvc_yaml).lock)
-    settings = configure_determinism(params.seed, params.deterministic)
+    settings = configure_determinism(params.seed, params.deterministic, params.cpu.to_profile())
     train_args = stage_arguments("train", args.dvc_yaml)
     inputs = train.stage_inputs(params, train_args.data, environment, train_args.dvc_lock, settings)
     identity = run_id(inputs)

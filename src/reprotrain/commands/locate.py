@@ -40,7 +40,7 @@ def _training_step(module: Any, batch: Any) -> torch.Tensor:
 
 
 def run(params: Params, args: argparse.Namespace) -> int:
-    configure_determinism(params.seed, params.deterministic)
+    configure_determinism(params.seed, params.deterministic, params.cpu.to_profile())
     data = load_prepared(args.data or stage_arguments("train", args.dvc_yaml).data)
     device = torch.device("cuda" if params.train.accelerator == "gpu" else "cpu")
     x, y = data.split("train")

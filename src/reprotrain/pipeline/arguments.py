@@ -70,7 +70,12 @@ def _env(parser: argparse.ArgumentParser) -> None:
         metavar=("A", "B"),
         help="explain how two environment records differ and which changes void the guarantee",
     )
-    parser.add_argument("--out", type=Path, help="write the record here (default: print it)")
+    parser.add_argument(
+        "--out", type=Path, help="write the part that decides the bits here (default: print all)"
+    )
+    parser.add_argument(
+        "--host-out", type=Path, help="with --out: write the informational host facts here"
+    )
     parser.add_argument(
         "--raw-dir",
         type=Path,
@@ -78,7 +83,10 @@ def _env(parser: argparse.ArgumentParser) -> None:
         "so bad input stops `dvc repro` before any output is deleted",
     )
     parser.add_argument(
-        "--params", type=Path, default=Path("params.yaml"), help="params file (with --raw-dir)"
+        "--params",
+        type=Path,
+        default=Path("params.yaml"),
+        help="params file (its CPU profile is part of the record; checked with --raw-dir)",
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from reprotrain.cpuprofile import PROFILES, CpuProfile
 from reprotrain.determinism import Mode
 
 
@@ -87,6 +88,23 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CpuConfig:
+    profile: str = _spec(
+        "portable",
+        "CPU kernels: 'portable' pins them (AVX2 ATen, MKL's compatible path, no oneDNN) so "
+        "every x86-64 CPU with AVX2 gives the same bits; 'native' uses the host's fastest, "
+        "and its instruction set then decides the bits (docs/cpu-profile.md)",
+        choices=PROFILES,
+    )
+    threads: int = _spec(
+        1, "intra-op threads per process (the split of a reduction follows it)", ge=1, le=1024
+    )
+
+    def to_profile(self) -> CpuProfile:
+        return CpuProfile(self.profile, self.threads)
+
+
+@dataclass(frozen=True)
 class Params:
     seed: int = _spec(42, "seed for every random number generator", ge=0, le=2**32 - 1)
     deterministic: Mode = _spec(
@@ -95,6 +113,7 @@ class Params:
         "false: fast, cuDNN autotuning on",
         choices=(True, False, "warn"),
     )
+    cpu: CpuConfig = field(default_factory=CpuConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -15,15 +15,20 @@ the whole of params.yaml (types, ranges, cross-field rules, via
 (:mod:`reprotrain.pipeline.rawdata`: inside ``data/raw``, readable, shapes,
 dtypes, finite values, labels); that no split is empty; that the network and a
 batch fit in this machine's memory (an estimate, see :func:`training_bytes`);
-and that a GPU is visible when ``train.accelerator: gpu`` asks for one.
+that a GPU is visible when ``train.accelerator: gpu`` asks for one; and that
+the CPU has what ``cpu.profile: portable`` needs (AVX2, FMA).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
+from reprotrain.determinism import DeterminismError
+from reprotrain.environment import cpu_facts
 from reprotrain.pipeline.config import ModelConfig, Params
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.rawdata import load_raw, split_sizes
@@ -67,8 +72,28 @@ def _gpu_bytes(gpus: list[dict[str, Any]]) -> int | None:
     return min(sizes) if sizes else None
 
 
-def preflight(params: Params, raw_dir: Path, gpus: list[dict[str, Any]]) -> str:
-    """Refuse, with one line, what would fail later in the pipeline; return what was checked."""
+def preflight(
+    params: Params,
+    raw_dir: Path,
+    gpus: list[dict[str, Any]],
+    cpu_flags: Iterable[str] | None = None,
+) -> str:
+    """Refuse, with one line, what would fail later in the pipeline; return what was checked.
+
+    ``gpus`` and ``cpu_flags`` as the environment record has them; ``cpu_flags``
+    None: this machine's.
+    """
+    flags = set(cpu_facts()["dispatch_flags"] if cpu_flags is None else cpu_flags)
+    if (missing := params.cpu.to_profile().missing_features(flags)) and (
+        params.train.accelerator == "cpu"
+    ):
+        message = (
+            f"cpu.profile: portable needs a CPU with {', '.join(missing)} (x86-64-v3), which this "
+            "one lacks, so it cannot give the committed bits here; set cpu.profile: native"
+        )
+        if params.deterministic is True:
+            raise DeterminismError(message)
+        print(f"reprotrain: warning: {message}", file=sys.stderr)
     x, y, source = load_raw(params.data.source, raw_dir)
     sizes = split_sizes(len(y), params.data, source)
     shape = (int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))

@@ -27,7 +27,7 @@ from typing import Any
 
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS
-from reprotrain.environment import capture_environment, git_state
+from reprotrain.environment import HOST_KEY, bit_deciding, capture_environment, git_state
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.arguments import DEFAULT_LOCK, LOCK_VARIABLE
 from reprotrain.pipeline.config import Params, load_params
@@ -47,8 +47,16 @@ def selected_lock(lock: Path | None = None) -> Path:
     return Path(os.environ.get(LOCK_VARIABLE) or DEFAULT_LOCK)
 
 
-def record_environment(lock: Path | None = None) -> dict[str, Any]:
-    """The record as the stages will see it; ``fingerprint`` captures it the same way."""
+def record_environment(lock: Path | None = None, params: Params | None = None) -> dict[str, Any]:
+    """The part of the record that decides the bits, as the stages see it (a cache key)."""
+    return bit_deciding(whole_environment(lock, params))
+
+
+def whole_environment(lock: Path | None = None, params: Params | None = None) -> dict[str, Any]:
+    """The record with its informational ``host`` section, under params' CPU profile.
+
+    Without ``params``, the ones in ``params.yaml`` (the CPU profile is part of the record).
+    """
     given = lock is not None
     lock = selected_lock(lock)
     if not lock.is_file():
@@ -59,20 +67,24 @@ def record_environment(lock: Path | None = None) -> dict[str, Any]:
         )
     # configure_determinism sets this default in the training process; record it as in force.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
-    return capture_environment(lock, ignore_packages=NOT_LOCKED)
+    params = params if params is not None else load_params(Path("params.yaml"))
+    return capture_environment(lock, NOT_LOCKED, params.cpu.to_profile())
 
 
 def run(_: Params | None, args: argparse.Namespace) -> str:
     if args.diff:
         return explain_difference(*args.diff)
-    record = record_environment(args.lock)
+    params = load_params(args.params)
+    record = whole_environment(args.lock, params)
     checked = ""
     if args.raw_dir is not None:
-        checked = f"; {preflight(load_params(args.params), args.raw_dir, record['gpu'])}"
+        checked = f"; {preflight(params, args.raw_dir, record['gpu'], record[HOST_KEY]['cpu']['dispatch_flags'])}"
     if args.out is None:
         shown = {**record, "git": git_state(Path.cwd())}
         return "environment\n" + json.dumps(shown, indent=2, sort_keys=True)
-    atomic_write_text(args.out, canonical_json(record))
+    atomic_write_text(args.out, canonical_json(bit_deciding(record)))
+    if args.host_out is not None:
+        atomic_write_text(args.host_out, canonical_json(record[HOST_KEY]))
     drift = "" if record["lock"]["exact"] else f"; {len(record['lock']['drift'])} packages drift"
     return f"recorded environment -> {args.out}{drift}{checked}"
 

@@ -1,7 +1,9 @@
 """Stage ``evaluate``: trained weights + test split -> ``metrics.json`` and a confusion CSV.
 
 The network is rebuilt from the params stored in the weights file itself, so
-this stage reads nothing from ``params.yaml``. With ``--dvc-lock`` the data
+this stage reads nothing from ``params.yaml``; it also runs under the CPU
+profile the weights were trained with (:mod:`reprotrain.cpuprofile`), whose
+variables the CLI exported at start from ``params.yaml``. With ``--dvc-lock`` the data
 and the weights are first checked against the md5 DVC recorded: a corrupted
 or tampered file is refused before it is read. It runs on the CPU in eval mode
 (no dropout, no randomness) with deterministic algorithms on, in fixed-size
@@ -18,6 +20,7 @@ from safetensors import SafetensorError
 from torch.nn import functional as F
 
 from reprotrain.atomic import atomic_write_text
+from reprotrain.determinism import DeterminismError
 from reprotrain.hashing import canonical_json, load_safetensors
 from reprotrain.pipeline.config import Params, parse_params
 from reprotrain.pipeline.data import load_prepared
@@ -37,7 +40,11 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
                 raise DataError(f"{path}: not found; run `dvc repro`")
             verify_dvc_checksum(path, args.dvc_lock)
     data = load_prepared(args.data)
-    net = load_network(args.model)
+    net, trained = load_network(args.model)
+    if problems := trained.cpu.to_profile().apply():
+        raise DeterminismError(
+            f"{args.model} was trained under cpu.profile {trained.cpu.profile}: {problems[0]}"
+        )
     torch.use_deterministic_algorithms(True)
     x, y = data.split("test")
     with torch.no_grad():
@@ -56,8 +63,8 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
     return f"test_acc {metrics['test_acc']:.4f} on {len(y)} samples -> {args.metrics}"
 
 
-def load_network(path: Path) -> torch.nn.Module:
-    """Rebuild the network from a weights file's metadata and load its tensors (no pickle)."""
+def load_network(path: Path) -> tuple[torch.nn.Module, Params]:
+    """The network rebuilt from a weights file (no pickle), in eval mode, and its params."""
     try:
         weights, meta = load_safetensors(path)
         params = parse_params(meta["params"], source=f"{path} metadata")
@@ -69,4 +76,4 @@ def load_network(path: Path) -> torch.nn.Module:
         raise DataError(f"{path}: not a reprotrain model file ({err}); retrain it") from None
     net = build_network(params.model, shape, classes)
     net.load_state_dict(weights, strict=True)
-    return net.eval()
+    return net.eval(), params

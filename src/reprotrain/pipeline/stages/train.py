@@ -76,6 +76,7 @@ from reprotrain.trace import TraceCallback
 PARAMS = (
     "seed",
     "deterministic",
+    "cpu",
     "data.batch_size",
     "data.num_workers",
     "data.augment",
@@ -85,7 +86,7 @@ PARAMS = (
 
 
 def run(params: Params, args: argparse.Namespace) -> str:
-    settings = configure_determinism(params.seed, params.deterministic)
+    settings = configure_determinism(params.seed, params.deterministic, params.cpu.to_profile())
     environment = load_environment(args.env)
     _check_lock(environment["lock"], params.deterministic, args.evidence)
     inputs = stage_inputs(params, args.data, environment, args.dvc_lock, settings)

@@ -1,0 +1,136 @@
+"""CPU determinism profiles: which kernels the CPU runs, fixed before torch starts.
+
+On a CPU the bits follow the kernels ATen, oneDNN and MKL pick for the
+machine's instruction set, and the thread count (measured:
+``benchmarks/cpu_pins.sh``). A profile fixes both, so the bits stop depending
+on which x86-64 CPU runs the job:
+
+``portable`` (the default)
+    * ``ATEN_CPU_CAPABILITY=avx2``: ATen's vectorised kernels at the AVX2 level
+      (x86-64-v3: every x86-64 server CPU since about 2015 has AVX2 and FMA). An
+      AVX-512 host is capped to it; a CPU without AVX2 cannot run it, and
+      :meth:`CpuProfile.problems` says so rather than silently running ``default``
+      kernels.
+    * ``MKL_CBWR=COMPATIBLE,STRICT``: MKL's one SSE2 code path, with fixed cache
+      sizes and reduction order (MKL's conditional numerical reproducibility).
+      The ISA-named branches (``AVX2``...) exist only on Intel CPUs; elsewhere MKL
+      falls back to ``AUTO`` without a word, so only ``COMPATIBLE`` means the
+      same thing on Intel and AMD.
+    * oneDNN off (``torch.backends.mkldnn.enabled = False``): convolutions run as
+      ATen's im2col + MKL GEMM. oneDNN's JIT kernels choose their blocking from
+      the ISA and the cache sizes it detects, which no variable pins; with it off,
+      ``ONEDNN_MAX_CPU_ISA`` no longer changes the bits (tested).
+    * ``threads`` intra-op threads (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``) and
+      one inter-op thread: the split of a reduction follows the thread count.
+
+``native``
+    The host's own kernels (fastest), with the thread count still fixed; the
+    CPU's instruction-set level then decides the bits, so it stays in the key.
+
+The variables only work when set at process start, so :meth:`variables` is
+what :func:`reprotrain.determinism.reexec_with_fixed_hash_seed` exports when
+it restarts the interpreter; DataLoader workers and DDP ranks inherit them.
+:meth:`apply` does the in-process part after torch is imported and reports
+what is not in force.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PROFILES = ("portable", "native")
+#: ATen's level under ``portable``, and the CPU flags it needs.
+PORTABLE_ATEN_LEVEL = "avx2"
+PORTABLE_REQUIRES = ("avx2", "fma")
+PORTABLE_MKL_BRANCH = "COMPATIBLE,STRICT"
+#: Variables a profile leaves alone but that would change kernels if it did not neutralise them.
+NEUTRALISED = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+@dataclass(frozen=True)
+class CpuProfile:
+    """A CPU profile (``portable`` or ``native``) and its intra-op thread count."""
+
+    name: str = "portable"
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.name not in PROFILES:
+            raise ValueError(f"CPU profile {self.name!r}: expected one of {', '.join(PROFILES)}")
+        if type(self.threads) is not int or self.threads < 1:
+            raise ValueError(f"CPU threads {self.threads!r}: expected an integer >= 1")
+
+    @property
+    def portable(self) -> bool:
+        return self.name == "portable"
+
+    def variables(self) -> dict[str, str]:
+        """The variables this profile needs in place when the interpreter starts."""
+        pinned = {"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
+        if self.portable:
+            pinned["ATEN_CPU_CAPABILITY"] = PORTABLE_ATEN_LEVEL
+            pinned["MKL_CBWR"] = PORTABLE_MKL_BRANCH
+        return pinned
+
+    def contradictions(self, environ: Mapping[str, str] = os.environ) -> list[str]:
+        """Exported variables that disagree with the profile, each as ``NAME=value (needs X)``."""
+        return [
+            f"{name}={environ[name]} (needs {value})"
+            for name, value in self.variables().items()
+            if name in environ and environ[name] != value
+        ]
+
+    def describe(self) -> str:
+        return f"CPU profile {self.name} ({self.threads} thread{'s' * (self.threads > 1)})"
+
+    def record(self) -> dict[str, Any]:
+        """What the profile fixes, for the environment record (no host facts)."""
+        out: dict[str, Any] = {"profile": self.name, "threads": self.threads}
+        if self.portable:
+            out.update(pins=self.variables(), onednn=False, requires=list(PORTABLE_REQUIRES))
+        return out
+
+    def missing_features(self, cpu_flags: set[str] | frozenset[str]) -> list[str]:
+        """The CPU flags this profile needs that ``cpu_flags`` (``/proc/cpuinfo``) lacks."""
+        return [f for f in PORTABLE_REQUIRES if f not in cpu_flags] if self.portable else []
+
+    def apply(self) -> list[str]:
+        """Set the in-process part (oneDNN, thread pools); return what is not in force.
+
+        Call it after the process started with :meth:`variables` exported and
+        before any model runs. The returned problems void the profile's promise.
+        """
+        import torch
+
+        start = "it must be set when the process starts (reexec_with_fixed_hash_seed)"
+        problems = [
+            f"{item}: exported against the {self.describe()}; {start}"
+            for item in self.contradictions()
+        ]
+        problems += [
+            f"{name} is not set; the {self.describe()} needs it: {start}"
+            for name in self.variables()
+            if name not in os.environ
+        ]
+        torch.backends.mkldnn.enabled = not self.portable
+        torch.set_num_threads(self.threads)
+        if torch.get_num_interop_threads() != 1:
+            try:
+                torch.set_num_interop_threads(1)
+            except RuntimeError:
+                problems.append(
+                    "torch's inter-op thread pool had already started; apply the CPU profile "
+                    "before running any model"
+                )
+        capability = torch.backends.cpu.get_cpu_capability()
+        if self.portable and capability != PORTABLE_ATEN_LEVEL.upper():
+            problems.append(
+                f"ATen dispatches {capability} kernels, not {PORTABLE_ATEN_LEVEL.upper()}: this "
+                f"CPU lacks {'/'.join(PORTABLE_REQUIRES)} or ATEN_CPU_CAPABILITY was not set at "
+                "start; the portable profile cannot give the reference bits here, use the "
+                "native profile"
+            )
+        return problems
