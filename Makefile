@@ -17,7 +17,7 @@ DOCKER ?= docker
 IMAGE ?= reprotrain:latest
 BASE_IMAGE ?=
 
-.PHONY: help venv repro test test-slow test-gpu gpu-evidence test-container verify lint format lock bench ops clean \
+.PHONY: help venv repro test test-slow test-gpu gpu-evidence test-container verify check-reference status lint format lock bench ops clean \
 	image docker-repro docker-verify
 
 help: ## List the targets
@@ -63,6 +63,12 @@ gpu-evidence: ## On a GPU host: twin runs, noise floor, cost, ops, DDP, trace in
 
 verify: venv ## Rerun training twice in fresh processes; fail unless the bits are identical
 	$(BIN)/reprotrain verify
+
+check-reference: venv ## One dvc repro in a clone of HEAD: are dvc.lock and reports/ as committed?
+	$(BIN)/reprotrain verify --reference HEAD
+
+status: venv ## Would dvc repro change anything that decides the bits? (exit 0: no)
+	$(BIN)/reprotrain status
 
 test-container: venv ## Build the image on a stand-in base, run the pipeline in it twice, compare bits
 	@$(DOCKER) info >/dev/null 2>&1 || { echo "make test-container: no Docker engine answers" \

@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from reprotrain.cpuprofile import CpuProfile
 from reprotrain.determinism import configure_determinism
 from reprotrain.hashing import fingerprint_state_dict, sha256_file
 from reprotrain.pipeline.config import load_params
@@ -266,6 +267,8 @@ def test_non_deterministic_op_is_named_with_the_fix(
         return self.net(x)
 
     monkeypatch.setattr(Classifier, "forward", forward)
+    for name, value in CpuProfile().variables().items():  # as the CLI's restart sets them
+        monkeypatch.setenv(name, value)
     code = cli.main([*_train_argv(prepared, tmp_path, env_record)])
     err = capsys.readouterr().err
     assert code == 3

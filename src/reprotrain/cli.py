@@ -39,6 +39,7 @@ REEXEC = (
     "evaluate",
     "fingerprint",
     "checklist",
+    "status",
     "verify",
     "locate",
     "noise-floor",
@@ -151,18 +152,26 @@ def _restart_for_determinism(args: argparse.Namespace) -> None:
 
     The profile comes from the params file the command reads (``--params``, with
     its overrides), else ``params.yaml`` in the working directory if there is
-    one. An exported variable that contradicts it is refused under
+    one; ``evaluate`` takes the params its weights file was trained with. An
+    exported variable that contradicts the profile is refused under
     ``deterministic: true`` and overridden with a warning otherwise.
     """
     from reprotrain.determinism import DeterminismError, reexec_with_fixed_hash_seed
-    from reprotrain.pipeline.config import load_params
+    from reprotrain.hashing import read_safetensors_metadata
+    from reprotrain.pipeline.config import load_params, parse_params
 
-    given = getattr(args, "params", None)
-    path = given or Path("params.yaml")
-    if not path.is_file():
+    path = getattr(args, "params", None) or Path("params.yaml")
+    if args.command == "evaluate":
+        try:
+            path = args.model
+            params = parse_params(read_safetensors_metadata(path)["params"], str(path))
+        except (OSError, ValueError, KeyError):
+            return reexec_with_fixed_hash_seed()  # evaluate itself says what is wrong
+    elif path.is_file():
+        extra = overrides(args) if hasattr(args, "seed") else getattr(args, "overrides", [])
+        params = load_params(path, extra)
+    else:
         return reexec_with_fixed_hash_seed()
-    extra = overrides(args) if hasattr(args, "seed") else getattr(args, "overrides", [])
-    params = load_params(path, extra)
     profile = params.cpu.to_profile()
     if clashes := profile.contradictions():
         message = (

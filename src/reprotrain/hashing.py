@@ -78,6 +78,24 @@ def load_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
     return tensors, metadata
 
 
+def read_safetensors_metadata(path: str | Path) -> dict[str, Any]:
+    """The unpacked metadata of a safetensors file, from its JSON header alone (no torch).
+
+    Raises ``OSError`` for an unreadable file and ``ValueError`` for a header that is not
+    a safetensors one or metadata that is not ours.
+    """
+    with Path(path).open("rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        if not 0 < size <= 100_000_000:
+            raise ValueError(f"{path}: not a safetensors file")
+        header = json.loads(handle.read(size))
+    raw = header.get("__metadata__") or {}
+    metadata = json.loads(raw[METADATA_KEY]) if METADATA_KEY in raw else {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"metadata key {METADATA_KEY!r} is not a JSON object")
+    return metadata
+
+
 def _uint8() -> Any:
     import torch
 

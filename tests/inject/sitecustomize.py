@@ -10,6 +10,8 @@ adds the noise to the forward pass instead (a difference that stays on that rank
 ``REPROTRAIN_TEST_SKEW_RANK=r`` gives rank r other run inputs (so another run ID).
 ``REPROTRAIN_TEST_KILL_AT=outputs|trace|run_record|cleanup`` SIGKILLs the train stage after
 its final checkpoint: before its first output, its trace, its run record, or just after it.
+``REPROTRAIN_TEST_CPU=xeon-avx512`` makes the environment record see another CPU family (an
+Intel Xeon with AVX-512, more cores) in place of this machine's.
 """
 
 from __future__ import annotations
@@ -112,3 +114,16 @@ if os.environ.get("REPROTRAIN_TEST_KILL_AT") is not None:
         pipeline_train.write_run_record = _killing(pipeline_train.write_run_record)
     elif where == "cleanup":
         pipeline_train.write_run_record = _killing(pipeline_train.write_run_record, after=True)
+
+if os.environ.get("REPROTRAIN_TEST_CPU") == "xeon-avx512":
+    import reprotrain.environment as environment
+
+    def cpu_facts() -> dict:
+        flags = ["sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw"]
+        return {
+            "model": "Intel(R) Xeon(R) Platinum 8480+",
+            "dispatch_flags": flags,
+            "usable_cpus": 112,
+        }
+
+    environment.cpu_facts = cpu_facts

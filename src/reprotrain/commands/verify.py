@@ -15,6 +15,14 @@ revision was trained on: when the fresh environment record differs from the
 committed one in a field that voids the bitwise guarantee (GPU, torch,
 CUDA, CPU kernels...), verify says so and compares fresh reruns instead.
 
+``--reference [REV]`` (default ``HEAD``) needs no DVC cache, only git: one
+``dvc repro`` of the whole pipeline in a fresh clone of REV, then every file
+git tracks there (``dvc.lock`` with every output's md5, ``reports/``) must be
+byte-identical to REV's. Exit 0 if so; otherwise 1 with the files that
+changed, the classified difference between REV's environment record and this
+host's, and, where REV's trace is in this repository's DVC cache, the first
+diverging step. It costs one pipeline run; ``make check-reference`` runs it.
+
 Runs train one after another (``--jobs N``: N side by side, see
 :mod:`reprotrain.commands._rerun`); cost against one training run:
 ``benchmarks/verify_cost.py``.
@@ -23,7 +31,12 @@ Runs train one after another (``--jobs N``: N side by side, see
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +58,8 @@ EXIT_DIFFERENT = 1
 
 
 def run(_: object, args: argparse.Namespace) -> int:
+    if args.reference is not None:
+        return check_reference(args.reference, args.workdir)
     if args.runs < 2 and not args.against:
         raise DataError(f"--runs {args.runs}: verify needs at least 2 runs to compare")
     with rerun_workspace(args.dvc_yaml, args.workdir, "verify") as workspace:
@@ -117,3 +132,61 @@ def _report(results: list[RunComparison], workdir: Path, keep: bool, as_json: bo
         verdict = "IDENTICAL" if identical else "NOT REPRODUCIBLE"
         print(f"reprotrain verify: {verdict} ({len(results) + 1} runs)")
     return 0 if identical else EXIT_DIFFERENT
+
+
+def check_reference(rev: str, workdir: Path | None) -> int:
+    """One pipeline run in a clone of ``rev``: does it rewrite anything git holds?"""
+    repo = Path.cwd()
+    scratch = Path(tempfile.mkdtemp(prefix="reprotrain-reference-", dir=workdir))
+    clone = scratch / "repo"
+    try:
+        _git("clone", "-q", "--no-checkout", str(repo), str(clone), cwd=repo)
+        _git("checkout", "-q", rev, cwd=clone)
+    except DataError:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    print(f"reprotrain verify: dvc repro in a clone of {rev} ({clone})", flush=True)
+    repro = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro", "--quiet"],
+        cwd=clone,
+        capture_output=True,
+        text=True,
+        # The stage commands call `reprotrain`: this interpreter's, also when PATH lacks it.
+        env={
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        },
+    )
+    if repro.returncode != 0:
+        tail = (repro.stderr or repro.stdout).strip().splitlines()[-3:]
+        raise DataError(f"dvc repro failed in {clone}: {' / '.join(tail)}")
+    changed = _git("status", "--porcelain", cwd=clone).splitlines()
+    if not changed:
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(f"reprotrain verify: IDENTICAL to {rev} (dvc.lock and reports/ byte for byte)")
+        return 0
+    print(f"files this run changed against {rev}:")
+    print("\n".join(f"  {line}" for line in changed))
+    committed = json.loads(_git("show", f"{rev}:reports/environment.json", cwd=clone))
+    fresh = load_environment(clone / "reports" / "environment.json")
+    diffs = compare_environments(committed, fresh)
+    print(
+        f"environment of {rev}'s reference vs this host: " + ("none differs" if not diffs else "")
+    )
+    print("\n".join(f"  {d.to_text()}" for d in diffs))
+    try:
+        result = compare_runs(find_run(rev, repo, scratch / "reference"), run_in_folder(clone))
+        print(result.to_text())
+    except DataError as err:
+        print(f"first diverging step: unknown, {rev}'s trace is not reachable here ({err})")
+    print(
+        f"reprotrain verify: NOT REPRODUCED: {rev}'s reference differs here (clone kept: {clone})"
+    )
+    return EXIT_DIFFERENT
+
+
+def _git(*args: str, cwd: Path) -> str:
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise DataError(f"git {' '.join(args)}: {done.stderr.strip() or 'failed'}")
+    return done.stdout

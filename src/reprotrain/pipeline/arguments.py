@@ -156,6 +156,14 @@ def _checklist(parser: argparse.ArgumentParser) -> None:
 def _verify(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=2, help="fresh training runs (>= 2)")
     parser.add_argument("--against", metavar="REV", help="compare a fresh run with REV's outputs")
+    parser.add_argument(
+        "--reference",
+        metavar="REV",
+        nargs="?",
+        const="HEAD",
+        help="one `dvc repro` in a clone of REV (default HEAD): are dvc.lock and reports/ as "
+        "git holds them? Needs no DVC cache",
+    )
     _dvc_yaml(parser)
     parser.add_argument(
         "--workdir", type=Path, help="keep the run folders here (default: a temporary folder)"
@@ -168,6 +176,11 @@ def _verify(parser: argparse.ArgumentParser) -> None:
         help="runs trained side by side (default 1: on a small machine they compete for cores)",
     )
     add_override_option(parser, "params override for every run, e.g. -S train.accelerator=gpu")
+
+
+def _status(parser: argparse.ArgumentParser) -> None:
+    _dvc_yaml(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def _compare(parser: argparse.ArgumentParser) -> None:
@@ -261,6 +274,11 @@ COMMANDS = {
         _command("verify"),
         "rerun training in fresh processes and check the bits are identical",
         _verify,
+    ),
+    "status": Command(
+        _command("status"),
+        "would `dvc repro` change anything that decides the bits? exit 0 when not",
+        _status,
     ),
     "compare": Command(
         _command("compare"),

@@ -78,7 +78,8 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
     record = whole_environment(args.lock, params)
     checked = ""
     if args.raw_dir is not None:
-        checked = f"; {preflight(params, args.raw_dir, record['gpu'], record[HOST_KEY]['cpu']['dispatch_flags'])}"
+        flags = record[HOST_KEY]["cpu"]["dispatch_flags"]
+        checked = f"; {preflight(params, args.raw_dir, record['gpu'], flags)}"
     if args.out is None:
         shown = {**record, "git": git_state(Path.cwd())}
         return "environment\n" + json.dumps(shown, indent=2, sort_keys=True)
