@@ -33,6 +33,7 @@ import itertools
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +53,7 @@ from reprotrain.pipeline.data import load_prepared
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.model import Classifier
 
-PARAMS = ("seed", "data.batch_size", "model", "train")
+PARAMS = ("seed", "cpu", "data.batch_size", "model", "train")
 #: Mode -> (deterministic algorithms and cudnn.deterministic, cudnn.benchmark).
 MODES = {
     "deterministic": (True, False),
@@ -215,6 +216,9 @@ def run(params: Params, args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise DataError("--device cuda: no CUDA device is visible here; use --device cpu")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # The CPU profile's in-process part (oneDNN, thread pools); its variables came with the start.
+    for problem in params.cpu.to_profile().apply():
+        print(f"reprotrain bench: warning: {problem}", file=sys.stderr)
     names = ("pipeline", "conv") if args.workload == "both" else (args.workload,)
     saved = (
         torch.are_deterministic_algorithms_enabled(),
