@@ -72,10 +72,7 @@ def load_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
     with safe_open(str(path), framework="pt") as handle:
         raw = handle.metadata() or {}
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-    metadata = json.loads(raw[METADATA_KEY]) if METADATA_KEY in raw else {}
-    if not isinstance(metadata, dict):
-        raise ValueError(f"metadata key {METADATA_KEY!r} is not a JSON object")
-    return tensors, metadata
+    return tensors, _unpack_metadata(raw)
 
 
 def read_safetensors_metadata(path: str | Path) -> dict[str, Any]:
@@ -89,7 +86,11 @@ def read_safetensors_metadata(path: str | Path) -> dict[str, Any]:
         if not 0 < size <= 100_000_000:
             raise ValueError(f"{path}: not a safetensors file")
         header = json.loads(handle.read(size))
-    raw = header.get("__metadata__") or {}
+    return _unpack_metadata(header.get("__metadata__") or {})
+
+
+def _unpack_metadata(raw: dict[str, str]) -> dict[str, Any]:
+    """Our JSON object under ``METADATA_KEY`` of a safetensors header's string metadata."""
     metadata = json.loads(raw[METADATA_KEY]) if METADATA_KEY in raw else {}
     if not isinstance(metadata, dict):
         raise ValueError(f"metadata key {METADATA_KEY!r} is not a JSON object")
