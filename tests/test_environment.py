@@ -171,3 +171,18 @@ def test_env_stage_names_a_missing_lock_and_the_variable(tmp_path: Path) -> None
     assert "no-such.lock: lock file not found" in result.stderr
     assert "REPROTRAIN_LOCK" in result.stderr
     assert record == {}
+
+
+def test_env_prints_outside_a_repository_under_the_default_profile(tmp_path: Path) -> None:
+    # As `docker run IMAGE reprotrain env` does in a bare container: no params.yaml there.
+    result = run_cli("env", "--lock", LOCK, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "no params.yaml here: recorded under the default params' CPU profile" in result.stdout
+    record = json.loads(result.stdout[result.stdout.index("{") : result.stdout.rindex("}") + 1])
+    assert record["cpu"]["profile"] == "portable"
+    # Negative controls: a params file named but absent, or a record to write, needs one.
+    named = run_cli("env", "--lock", LOCK, "--params", "nope.yaml", cwd=tmp_path)
+    assert named.returncode == 2 and "nope.yaml: file not found" in named.stderr
+    written = run_cli("env", "--lock", LOCK, "--out", tmp_path / "e.json", cwd=tmp_path)
+    assert written.returncode == 2 and "params.yaml: file not found" in written.stderr
+    assert not (tmp_path / "e.json").exists()

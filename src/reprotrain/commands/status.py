@@ -21,10 +21,9 @@ from typing import Any
 from reprotrain.envdiff import compare_environments
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.arguments import stage_arguments
-from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.run_record import load_environment
-from reprotrain.pipeline.stages.env import record_environment
+from reprotrain.pipeline.stages.env import record_environment, stage_params
 
 PARAMS: tuple[str, ...] = ()
 EXIT_WOULD_CHANGE = 1
@@ -32,7 +31,7 @@ EXIT_WOULD_CHANGE = 1
 
 def run(_: object, args: argparse.Namespace) -> int:
     env_args = stage_arguments("env", args.dvc_yaml)
-    here = record_environment(env_args.lock, load_params(env_args.params))
+    here = record_environment(env_args.lock, stage_params(env_args.params)[0])
     changes = [f"env: {d.to_text()}" for d in _environment_changes(env_args.out, here)]
     changes += [f"{stage}: {what}" for stage, what in _dvc_changes()]
     if args.json:

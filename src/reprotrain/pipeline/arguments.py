@@ -85,8 +85,8 @@ def _env(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--params",
         type=Path,
-        default=Path("params.yaml"),
-        help="params file (its CPU profile is part of the record; checked with --raw-dir)",
+        help="params file (its CPU profile is part of the record; checked with --raw-dir); "
+        "default params.yaml, or when printing outside a repository, the default params",
     )
 
 

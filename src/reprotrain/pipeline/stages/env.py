@@ -71,10 +71,22 @@ def whole_environment(lock: Path | None = None, params: Params | None = None) ->
     return capture_environment(lock, NOT_LOCKED, params.cpu.to_profile())
 
 
+def stage_params(path: Path | None, printing: bool = False) -> tuple[Params, str]:
+    """The params whose CPU profile the record is taken under, and a note on where from.
+
+    ``path`` if given, else ``params.yaml``; only a printed record (``reprotrain
+    env`` outside a repository, e.g. in a bare container) falls back to the
+    default params when there is no ``params.yaml``, and says so.
+    """
+    if path is None and printing and not Path("params.yaml").is_file():
+        return Params(), "no params.yaml here: recorded under the default params' CPU profile\n"
+    return load_params(path or Path("params.yaml")), ""
+
+
 def run(_: Params | None, args: argparse.Namespace) -> str:
     if args.diff:
         return explain_difference(*args.diff)
-    params = load_params(args.params)
+    params, note = stage_params(args.params, printing=args.out is None and args.raw_dir is None)
     record = whole_environment(args.lock, params)
     checked = ""
     if args.raw_dir is not None:
@@ -82,7 +94,7 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         checked = f"; {preflight(params, args.raw_dir, record['gpu'], flags)}"
     if args.out is None:
         shown = {**record, "git": git_state(Path.cwd())}
-        return "environment\n" + json.dumps(shown, indent=2, sort_keys=True)
+        return f"environment\n{note}" + json.dumps(shown, indent=2, sort_keys=True)
     atomic_write_text(args.out, canonical_json(bit_deciding(record)))
     if args.host_out is not None:
         atomic_write_text(args.host_out, canonical_json(record[HOST_KEY]))
