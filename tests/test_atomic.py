@@ -74,3 +74,26 @@ def test_kill_9_during_a_write_never_exposes_a_partial_file(
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the write finished before the kill"
     assert final.read_bytes() == b"previous, complete output"
+
+
+def test_a_full_disk_is_an_oserror_naming_the_final_file_and_no_temp_stays(tmp_path: Path) -> None:
+    # A real full file system (a 64 KiB tmpfs in a private mount namespace), not a mock.
+    folder = tmp_path / "small"
+    folder.mkdir()
+    code = (
+        "import errno, sys, torch\n"
+        "from reprotrain.atomic import atomic_write_safetensors\n"
+        "try:\n"
+        f"    atomic_write_safetensors('{folder}/model.safetensors', {{'w': torch.ones(2**16)}})\n"
+        "except OSError as err:\n"
+        "    print(errno.errorcode[err.errno], err.filename)\n"
+    )
+    mount = f'mount -t tmpfs -o size=64k tmpfs {folder} && exec {sys.executable} -c "$0"'
+    result = subprocess.run(
+        ["unshare", "--mount", "--map-root-user", "sh", "-c", mount, code],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.stdout.split() == ["ENOSPC", f"{folder}/model.safetensors"], result.stderr

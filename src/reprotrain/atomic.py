@@ -4,7 +4,9 @@ Each writer puts the bytes in a temporary file in the destination's own
 folder, flushes and fsyncs it, then ``os.replace``s it over the final name
 (atomic on POSIX within one file system). A crash at any moment leaves either
 the previous file or the new one under the final name, never a truncated one;
-a stray ``.<name>.tmp-*`` file may remain and is never read.
+a stray ``.<name>.tmp-*`` file may remain and is never read. A failed write
+(a full disk, a read-only folder) removes its temporary file and raises an
+``OSError`` that names the final file, not the temporary one.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -34,6 +37,10 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
             os.fsync(handle.fileno())
         tmp.chmod(0o644)
         tmp.replace(final)
+    except OSError as err:
+        if err.filename not in (None, str(tmp)):  # a write() error names no file
+            raise
+        raise OSError(err.errno, err.strerror, str(final)) from err
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -47,3 +54,17 @@ def atomic_write_bytes(final: str | Path, data: bytes) -> None:
 def atomic_write_text(final: str | Path, text: str) -> None:
     """Write UTF-8 ``text`` to ``final`` atomically."""
     atomic_write_bytes(final, text.encode("utf-8"))
+
+
+def atomic_write_safetensors(
+    final: str | Path, tensors: Mapping[str, Any], metadata: dict[str, str] | None = None
+) -> None:
+    """Write torch ``tensors`` to ``final`` as safetensors, atomically.
+
+    Serialised in memory first, so a storage error is a plain ``OSError`` with
+    its errno (``safetensors.save_file`` wraps it in its own exception).
+    """
+    from safetensors.torch import save
+
+    contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
+    atomic_write_bytes(final, save(contiguous, metadata=metadata))

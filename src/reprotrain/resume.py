@@ -28,6 +28,7 @@ is unpickled. :func:`latest_checkpoint` finds the newest complete one.
 
 from __future__ import annotations
 
+import io
 import random
 import re
 from collections.abc import Mapping
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from reprotrain.atomic import atomic_path, atomic_write_text
+from reprotrain.atomic import atomic_write_bytes, atomic_write_text
 from reprotrain.distributed import gather_from_ranks, own_entry
 from reprotrain.hashing import sha256_file
 
@@ -79,8 +80,11 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         path = Path(path)
-        with atomic_path(path) as tmp:
-            torch.save(checkpoint, tmp)
+        # Serialised in memory: torch.save reports a full disk as a RuntimeError, a
+        # Python write as an OSError with its errno (one line from the CLI).
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        atomic_write_bytes(path, buffer.getvalue())
         atomic_write_text(sidecar(path), f"{sha256_file(path)}  {path.name}\n")
 
     def load_checkpoint(

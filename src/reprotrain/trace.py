@@ -43,7 +43,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.optim import Optimizer
 
-from reprotrain.atomic import atomic_path
+from reprotrain.atomic import atomic_write_safetensors
 from reprotrain.devicehash import fingerprints
 from reprotrain.distributed import gather_from_ranks, own_entry
 from reprotrain.hashing import safetensors_metadata
@@ -248,8 +248,6 @@ class TraceCallback(Callback):
 
         Under DDP call it on rank 0 after ``fit`` (which gathered the ranks' rows).
         """
-        from safetensors.torch import save_file
-
         ranks = self._gathered or [self._local_state()]
         parts = [self._tensors(state) for state in ranks]
         tensors = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
@@ -263,8 +261,7 @@ class TraceCallback(Callback):
              "weights_every": self.weights_every, "records": list(RECORDS),
              "world_size": len(ranks)}
         )  # fmt: skip
-        with atomic_path(path) as tmp:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        atomic_write_safetensors(path, tensors, metadata)
 
     def _tensors(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
         """One rank's rows (a ``_local_state``) as the file's columns."""

@@ -42,10 +42,9 @@ import lightning as L
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from reprotrain.atomic import atomic_path
+from reprotrain.atomic import atomic_write_safetensors
 from reprotrain.hashing import load_safetensors, safetensors_metadata
 from reprotrain.pipeline.errors import DataError
 
@@ -69,8 +68,7 @@ class PreparedData:
 def save_prepared(path: str | Path, data: PreparedData) -> None:
     """Write ``data`` atomically as one safetensors file."""
     metadata = safetensors_metadata({"num_classes": data.num_classes, "source": data.source})
-    with atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in data.tensors.items()}, tmp, metadata=metadata)
+    atomic_write_safetensors(path, data.tensors, metadata)
 
 
 def load_prepared(path: str | Path) -> PreparedData:

@@ -39,9 +39,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from safetensors.torch import save_file
 
-from reprotrain.atomic import atomic_path, atomic_write_text
+from reprotrain.atomic import atomic_write_safetensors, atomic_write_text
 from reprotrain.determinism import (
     DeterminismError,
     DeterminismSettings,
@@ -322,8 +321,7 @@ def _write_outputs(
         "val_loss": val_loss[-1][1],
         "val_acc": val_acc[-1][1],
     }
-    with atomic_path(args.model) as tmp:
-        save_file(weights, tmp, metadata=metadata)
+    atomic_write_safetensors(args.model, weights, metadata)
     atomic_write_text(args.metrics, canonical_json(metrics))
     atomic_write_text(args.plots / "train_loss.csv", _csv(("step", "train_loss"), train_loss))
     val_rows = [
