@@ -61,7 +61,9 @@ def run(_: object, args: argparse.Namespace) -> int:
     if args.reference is not None:
         return check_reference(args.reference, args.workdir)
     if args.runs < 2 and not args.against:
-        raise DataError(f"--runs {args.runs}: verify needs at least 2 runs to compare")
+        raise DataError(
+            f"--runs {args.runs}: verify needs at least 2 runs to compare; pass --runs 2 or more"
+        )
     with rerun_workspace(args.dvc_yaml, args.workdir, "verify") as workspace:
         return _verify(args, workspace)
 

@@ -140,6 +140,10 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+#: Where every key, its rule and its default are listed (quoted in error messages).
+DEFAULTS_HINT = "`reprotrain params --defaults`"
+
+
 def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
     """Read ``path``, apply ``key=value`` overrides, validate, return frozen params."""
     path = Path(path)
@@ -152,7 +156,10 @@ def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
         line = f" (line {where.line + 1})" if where else ""
         raise ConfigError(f"{path}: not valid YAML{line}: fix the syntax") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of keys at the top level")
+        raise ConfigError(
+            f"{path}: expected a mapping of keys at the top level; {DEFAULTS_HINT} prints a "
+            "valid file"
+        )
     for item in overrides:
         _apply_override(raw, item)
     return parse_params(raw, source=str(path))
@@ -164,7 +171,7 @@ def parse_params(raw: Mapping[str, Any], source: str = "params") -> Params:
     if params.data.val_fraction + params.data.test_fraction >= 1:
         raise ConfigError(
             f"{source}: data.val_fraction + data.test_fraction must be below 1, got "
-            f"{params.data.val_fraction} + {params.data.test_fraction}"
+            f"{params.data.val_fraction} + {params.data.test_fraction}; lower one of them"
         )
     train = params.train
     if train.devices * train.num_nodes > 1 and train.strategy != "ddp":
@@ -179,34 +186,43 @@ def parse_params(raw: Mapping[str, Any], source: str = "params") -> Params:
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key:
-        raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=0.01")
+        raise ConfigError(f"override {item!r}: expected key=value; write e.g. train.lr=0.01")
     *parents, leaf = key.split(".")
     node = raw
     for part in parents:
         child = node.get(part)
         if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: unknown key {key!r}")
+            raise ConfigError(f"override {item!r}: unknown key {key!r}; {DEFAULTS_HINT} lists them")
         node = child
     if leaf not in node:
-        raise ConfigError(f"override {item!r}: unknown key {key!r}")
+        raise ConfigError(f"override {item!r}: unknown key {key!r}; {DEFAULTS_HINT} lists them")
     node[leaf] = yaml.safe_load(text)
 
 
 def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
     where = prefix.rstrip(".") or "top level"
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{source}: {where}: expected a mapping, got {raw!r}")
+        raise ConfigError(
+            f"{source}: {where}: expected a mapping, got {raw!r}; write it as a section "
+            f"({DEFAULTS_HINT} shows its keys)"
+        )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in raw:
         if name not in fields:
             allowed = ", ".join(fields)
-            raise ConfigError(f"{source}: unknown key '{prefix}{name}'; allowed here: {allowed}")
+            raise ConfigError(
+                f"{source}: unknown key '{prefix}{name}'; remove or rename it (allowed here: "
+                f"{allowed})"
+            )
     values: dict[str, Any] = {}
     for name, spec in fields.items():
         key = prefix + name
         if name not in raw:
-            raise ConfigError(f"{source}: missing key {key!r} ({_describe(spec, hints[name])})")
+            raise ConfigError(
+                f"{source}: missing key {key!r} ({_describe(spec, hints[name])}); add it "
+                f"({_example(key, spec, hints[name])})"
+            )
         if dataclasses.is_dataclass(hints[name]):
             values[name] = _build(hints[name], raw[name], f"{key}.", source)
         else:
@@ -216,7 +232,10 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
 
 def _check(key: str, value: Any, kind: Any, spec: dataclasses.Field, source: str) -> Any:
     rules = spec.metadata
-    fail = ConfigError(f"{source}: {key}: got {value!r}; expected {_describe(spec, kind)}")
+    fail = ConfigError(
+        f"{source}: {key}: got {value!r}; expected {_describe(spec, kind)}; set e.g. "
+        f"{key}: {_yaml_scalar(spec.default)}"
+    )
     if "choices" in rules:
         if not any(type(value) is type(c) and value == c for c in rules["choices"]):
             raise fail
@@ -246,6 +265,13 @@ def _describe(spec: dataclasses.Field, kind: Any) -> str:
     symbols = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
     limits = [f"{symbols[name]} {rules[name]}" for name in symbols if name in rules]
     return f"{text} {' and '.join(limits)}" if limits else text
+
+
+def _example(key: str, spec: dataclasses.Field, kind: Any) -> str:
+    """How to write ``key`` back: its default, or for a section, where to find it."""
+    if dataclasses.is_dataclass(kind):
+        return f"{DEFAULTS_HINT} prints the section"
+    return f"default {key}: {_yaml_scalar(spec.default)}"
 
 
 def _yaml_scalar(value: Any) -> str:

@@ -15,15 +15,22 @@ the whole of params.yaml (types, ranges, cross-field rules, via
 (:mod:`reprotrain.pipeline.rawdata`: inside ``data/raw``, readable, shapes,
 dtypes, finite values, labels); that no split is empty; that the network and a
 batch fit in this machine's memory (an estimate, see :func:`training_bytes`);
-that a GPU is visible when ``train.accelerator: gpu`` asks for one; and that
-the CPU has what ``cpu.profile: portable`` needs (AVX2, FMA).
+that a GPU is visible when ``train.accelerator: gpu`` asks for one; that
+the CPU has what ``cpu.profile: portable`` needs (AVX2, FMA); and, given the
+later stages' outputs (:class:`PlannedOutputs`, from ``dvc.yaml``), that their
+folders take a file (a real write, so a read-only mount is caught for root
+too) and have room for them (:func:`output_bytes`, an upper estimate).
 """
 
 from __future__ import annotations
 
+import errno
+import math
 import os
 import sys
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +45,25 @@ GIB = 2**30
 BYTES_PER_PARAMETER = 16
 #: Activations kept for backward, per float of a forward activation (forward + grads + slack).
 ACTIVATION_FACTOR = 3
+#: Upper bounds used by :func:`output_bytes`: a safetensors header or a small report; one
+#: trace row (12 int64/float64 columns, ``trace.TraceCallback``) and, under ``full``, per
+#: parameter tensor; a checkpoint holds weights and Adam's two moments, plus the trace.
+FILE_OVERHEAD = 64 * 2**10
+TRACE_ROW_BYTES = 12 * 8
+TRACE_TENSOR_BYTES = 8
+PARAMETER_TENSORS = 8
+CHECKPOINT_COPIES = 3
+
+
+@dataclass(frozen=True)
+class PlannedOutputs:
+    """Where the later stages write (their ``dvc.yaml`` arguments), for the space check."""
+
+    dataset: Path
+    model: Path
+    trace: Path
+    checkpoints: Path
+    reports: tuple[Path, ...]
 
 
 def network_parameters(model: ModelConfig, shape: tuple[int, int, int], classes: int) -> int:
@@ -72,16 +98,80 @@ def _gpu_bytes(gpus: list[dict[str, Any]]) -> int | None:
     return min(sizes) if sizes else None
 
 
+def output_bytes(
+    params: Params,
+    sizes: tuple[int, int, int],
+    shape: tuple[int, int, int],
+    classes: int,
+    planned: PlannedOutputs,
+) -> dict[Path, int]:
+    """An upper estimate of the bytes each planned output takes (checkpoints: the folder)."""
+    weights = network_parameters(params.model, shape, classes) * 4
+    steps = math.ceil(sizes[0] / params.data.batch_size) * params.train.max_epochs
+    row = TRACE_ROW_BYTES + (
+        PARAMETER_TENSORS * TRACE_TENSOR_BYTES if params.train.trace == "full" else 0
+    )
+    trace = steps * row + FILE_OVERHEAD
+    return {
+        planned.dataset: sum(sizes) * (math.prod(shape) * 4 + 8) + FILE_OVERHEAD,
+        planned.model: weights + FILE_OVERHEAD,
+        planned.trace: trace,
+        planned.checkpoints: 2 * (CHECKPOINT_COPIES * weights + trace + FILE_OVERHEAD),
+        **{report: FILE_OVERHEAD for report in planned.reports},
+    }
+
+
+def check_outputs(needs: Mapping[Path, int]) -> None:
+    """Refuse, with one line, an output folder that takes no file or lacks room for ``needs``.
+
+    Each output is checked in its nearest existing folder (what the stage's
+    ``mkdir`` will create lies below it); space is summed per file system.
+    """
+    by_folder: dict[Path, list[tuple[Path, int]]] = {}
+    for path, size in needs.items():
+        folder = path if path.is_dir() else path.parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        by_folder.setdefault(folder, []).append((path, size))
+    by_device: dict[int, list[Path]] = {}
+    for folder, outputs in by_folder.items():
+        names = ", ".join(str(p) for p, _ in outputs)
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".reprotrain-write-check-", dir=folder)
+            os.close(fd)
+            Path(probe).unlink()
+        except OSError as err:
+            if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC):
+                raise
+            raise DataError(
+                f"{folder}/: cannot write there ({err.strerror}), where {names} go; make the "
+                "folder writable and free, or point the stage's path in dvc.yaml elsewhere"
+            ) from None
+        by_device.setdefault(folder.stat().st_dev, []).append(folder)
+    for folders in by_device.values():
+        stats = os.statvfs(folders[0])
+        free = stats.f_bavail * stats.f_frsize
+        need = sum(size for folder in folders for _, size in by_folder[folder])
+        if need > free:
+            where = ", ".join(f"{folder}/" for folder in folders)
+            raise DataError(
+                f"{where}: {free / 2**20:.1f} MiB free, but the pipeline's outputs there need "
+                f"about {need / 2**20:.1f} MiB; free disk space there (or point the stage's "
+                "paths in dvc.yaml at another disk) and rerun"
+            )
+
+
 def preflight(
     params: Params,
     raw_dir: Path,
     gpus: list[dict[str, Any]],
     cpu_flags: Iterable[str] | None = None,
+    planned: PlannedOutputs | None = None,
 ) -> str:
     """Refuse, with one line, what would fail later in the pipeline; return what was checked.
 
     ``gpus`` and ``cpu_flags`` as the environment record has them; ``cpu_flags``
-    None: this machine's.
+    None: this machine's. With ``planned``, also the outputs' folders (writable, room).
     """
     flags = set(cpu_facts()["dispatch_flags"] if cpu_flags is None else cpu_flags)
     if (missing := params.cpu.to_profile().missing_features(flags)) and (
@@ -114,6 +204,8 @@ def preflight(
             f"train, more than the {have / GIB:.1f} GiB here; lower those values or downscale "
             "the images"
         )
+    if planned is not None:
+        check_outputs(output_bytes(params, sizes, shape, classes, planned))
     return (
         f"checked params and {source} ({len(y)} samples, {shape[0]}x{shape[1]}x{shape[2]}, "
         f"{classes} classes, splits {sizes[0]}/{sizes[1]}/{sizes[2]}, about "

@@ -63,22 +63,36 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{path}: not a readable .npz file ({err}); re-export it") from None
     missing = {"x", "y"} - set(arrays)
     if missing:
-        raise DataError(f"{path}: missing array(s) {sorted(missing)}; expected 'x' and 'y'")
+        raise DataError(
+            f"{path}: missing array(s) {sorted(missing)}; save both, np.savez(path, x=images, "
+            "y=labels)"
+        )
     x, y = arrays["x"], arrays["y"]
     if x.ndim == 3:
         x = x[:, None]
     if x.ndim != 4 or min(x.shape[2:]) < 2:
-        raise DataError(f"{path}: x has shape {x.shape}; expected N x H x W or N x C x H x W")
+        raise DataError(
+            f"{path}: x has shape {x.shape}; expected N x H x W or N x C x H x W (H, W >= 2); "
+            "save x as a stack of images"
+        )
     if x.dtype.kind not in "fiu":
-        raise DataError(f"{path}: x has dtype {x.dtype}; expected a real number type")
+        raise DataError(f"{path}: x has dtype {x.dtype}; save x as floats or integers")
     if y.ndim != 1 or y.dtype.kind not in "iu" or len(y) != len(x):
         raise DataError(
-            f"{path}: y has shape {y.shape} and dtype {y.dtype}; expected {len(x)} integer labels"
+            f"{path}: y has shape {y.shape} and dtype {y.dtype}; save y as {len(x)} integer "
+            "labels, one per image in x"
         )
     if not np.isfinite(x).all():
         raise DataError(f"{path}: x contains NaN or infinite values; clean the data")
     if len(y) and y.min() < 0:
-        raise DataError(f"{path}: y has negative labels (min {y.min()}); labels start at 0")
+        raise DataError(
+            f"{path}: y has negative labels (min {y.min()}); renumber the classes 0..K-1"
+        )
+    if len(y) and y.max() >= len(y):
+        raise DataError(
+            f"{path}: y has label {y.max()} for {len(y)} samples; labels are class indices: "
+            "renumber the classes 0..K-1"
+        )
     return x.astype(np.float32), y.astype(np.int64)
 
 

@@ -29,10 +29,16 @@ from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS
 from reprotrain.environment import HOST_KEY, bit_deciding, capture_environment, git_state
 from reprotrain.hashing import canonical_json
-from reprotrain.pipeline.arguments import DEFAULT_LOCK, LOCK_VARIABLE
+from reprotrain.pipeline.arguments import (
+    DEFAULT_LOCK,
+    DVC_YAML,
+    LOCK_VARIABLE,
+    STAGES,
+    stage_arguments,
+)
 from reprotrain.pipeline.config import Params, load_params
 from reprotrain.pipeline.errors import DataError
-from reprotrain.pipeline.preflight import preflight
+from reprotrain.pipeline.preflight import PlannedOutputs, preflight
 
 #: The params.yaml keys this stage reads: none.
 PARAMS: tuple[str, ...] = ()
@@ -91,7 +97,7 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
     checked = ""
     if args.raw_dir is not None:
         flags = record[HOST_KEY]["cpu"]["dispatch_flags"]
-        checked = f"; {preflight(params, args.raw_dir, record['gpu'], flags)}"
+        checked = f"; {preflight(params, args.raw_dir, record['gpu'], flags, planned_outputs())}"
     if args.out is None:
         shown = {**record, "git": git_state(Path.cwd())}
         return f"environment\n{note}" + json.dumps(shown, indent=2, sort_keys=True)
@@ -100,6 +106,15 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         atomic_write_text(args.host_out, canonical_json(record[HOST_KEY]))
     drift = "" if record["lock"]["exact"] else f"; {len(record['lock']['drift'])} packages drift"
     return f"recorded environment -> {args.out}{drift}{checked}"
+
+
+def planned_outputs(dvc_yaml: Path = DVC_YAML) -> PlannedOutputs | None:
+    """The later stages' outputs as ``dvc_yaml`` names them; None outside a pipeline."""
+    if not dvc_yaml.is_file():
+        return None
+    prepare, train, evaluate = (stage_arguments(s, dvc_yaml) for s in STAGES[1:])
+    reports = (train.metrics, train.plots, train.run_record, evaluate.metrics, evaluate.plots)
+    return PlannedOutputs(prepare.out, train.model, train.trace, train.checkpoints, reports)
 
 
 def explain_difference(a: Path, b: Path) -> str:
