@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -182,7 +183,7 @@ def wait_for_checkpoint(proc: subprocess.Popen, ckpt_root: Path, min_epoch: int)
         assert time.monotonic() < deadline, "no checkpoint within 300 s"
         assert proc.poll() is None, "the run finished before its checkpoint was seen"
         done = [
-            int(p.name.removeprefix("epoch=").removesuffix(".ckpt"))
+            int(re.findall(r"\d+", p.stem)[0])
             for p in ckpt_root.glob("*/epoch=*.ckpt")
             if sidecar(p).is_file()
         ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -19,7 +21,7 @@ from reprotrain.cpuprofile import CpuProfile
 from reprotrain.determinism import configure_determinism
 from reprotrain.hashing import fingerprint_state_dict, sha256_file
 from reprotrain.pipeline.config import load_params
-from reprotrain.pipeline.data import load_prepared
+from reprotrain.pipeline.data import ResumableLoader, ShiftedImages, load_prepared
 from reprotrain.pipeline.stages import train
 from reprotrain.resume import latest_checkpoint, sidecar
 from tests.helpers import (
@@ -120,10 +122,15 @@ def test_sigterm_or_sigint_ends_in_one_line_and_the_rerun_has_the_same_bits(
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("reprotrain: error: training interrupted"), stderr
     assert "rerun the same command" in last and ".ckpt, is kept" in last
+    # The checkpoint is the one written at the signal, inside epoch 1, not epoch=0.ckpt.
+    written = re.search(r"(epoch=1-step=\d+\.ckpt)", last)
+    assert written, last
     assert not (tmp_path / "model.safetensors").exists()
     result = run_cli(*argv, cwd=tmp_path)
-    assert result.returncode == 0 and "resumed from epoch=" in result.stdout, result.stderr
-    for name in ("model.safetensors", "trace.safetensors", "metrics.json"):
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {written.group(1)}" in result.stdout, result.stdout
+    names = ("model.safetensors", "trace.safetensors", "metrics.json", "plots/train_loss.csv")
+    for name in (*names, "plots/val.csv"):
         assert sha256_file(tmp_path / name) == sha256_file(straight_run / name), name
 
 
@@ -282,3 +289,57 @@ def test_dvc_yaml_trains_with_checkpoints_outside_dvc_outputs() -> None:
     assert "--checkpoints checkpoints" in spec["cmd"]
     outs = [next(iter(o)) if isinstance(o, dict) else o for o in spec["outs"]]
     assert not any(o.startswith("checkpoints") for o in outs)
+
+
+def _augmented_loader(generator: torch.Generator, consumed: list[int]) -> ResumableLoader:
+    """Shuffled, shift-augmented digits-like images drawn in two seeded worker processes."""
+    x = torch.arange(40 * 16, dtype=torch.float32).reshape(40, 1, 4, 4)
+    return ResumableLoader(
+        ShiftedImages(x, torch.arange(40) % 3, augment=True),
+        consumed=lambda: consumed[0],
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        generator=generator,
+        worker_init_fn=lambda _: np.random.seed(torch.initial_seed() % 2**32),
+    )
+
+
+def test_resumable_loader_continues_mid_epoch_with_the_same_batches_and_augmentation() -> None:
+    consumed = [3]
+    straight = _augmented_loader(torch.Generator().manual_seed(7), consumed)
+    epoch = [images for images, _ in straight]
+    state = _augmented_loader(torch.Generator().manual_seed(7), consumed)
+    interrupted = iter(state)
+    seen = [next(interrupted)[0] for _ in range(3)]
+    saved = state.state_dict()  # what a checkpoint holds after 3 batches
+    after_draws = state.generator.get_state()  # what RandomStateCallback alone would restore
+    del interrupted
+    assert all(torch.equal(a, b) for a, b in zip(seen, epoch[:3], strict=True))
+
+    resumed = _augmented_loader(torch.Generator().set_state(after_draws), consumed)
+    resumed.load_state_dict(saved)
+    rest = [images for images, _ in resumed]
+    assert len(rest) == len(epoch) - 3
+    assert all(torch.equal(a, b) for a, b in zip(rest, epoch[3:], strict=True))
+    # The next epoch draws from the generator where the straight run's does.
+    assert torch.equal(next(iter(resumed))[0], next(iter(straight))[0])
+
+    # Negative control: without the loader's state, the epoch restarts from another draw.
+    plain = _augmented_loader(torch.Generator().set_state(after_draws), consumed)
+    restarted = [images for images, _ in plain][: len(rest)]
+    assert not all(torch.equal(a, b) for a, b in zip(restarted, epoch[3:], strict=True))
+
+
+def test_the_newest_checkpoint_orders_a_mid_epoch_one_between_its_epoch_boundaries(
+    tmp_path: Path,
+) -> None:
+    def write(name: str) -> None:
+        (tmp_path / name).write_bytes(name.encode())
+        sidecar(tmp_path / name).write_text(f"{sha256_file(tmp_path / name)}  {name}\n")
+
+    write("epoch=0.ckpt")
+    write("epoch=1-step=30.ckpt")  # written at SIGTERM inside epoch 1
+    assert latest_checkpoint(tmp_path).name == "epoch=1-step=30.ckpt"
+    write("epoch=1.ckpt")  # the resumed run finished epoch 1
+    assert latest_checkpoint(tmp_path).name == "epoch=1.ckpt"

@@ -15,9 +15,14 @@ gives the same bits as the uninterrupted run, provided the DataLoader
 workers are not persistent (``persistent_workers=False``: each epoch's
 workers are then seeded from the saved loader generator; persistent workers
 keep private random state that no checkpoint can capture) and nothing else
-keeps hidden random state across epochs. Mid-epoch checkpoints are not exact:
-Lightning restarts the interrupted epoch's data iteration, so the batches
-already seen are not replayed in the same order.
+keeps hidden random state across epochs. A checkpoint from the middle of an
+epoch is exact only when the training DataLoader can resume mid-epoch (it has
+``state_dict``/``load_state_dict``, which Lightning stores and restores; the
+pipeline's ``ResumableLoader``); otherwise Lightning restarts the epoch's
+data iteration and the batches already seen are not replayed in order.
+:class:`InterruptCheckpoint` writes such a checkpoint at the end of the batch
+in which SIGTERM (Lightning's preemption signal) arrived, in one process;
+under DDP the last epoch-boundary checkpoint stays the resume point.
 
 :class:`VerifiedCheckpointIO` (``Trainer(plugins=[...])``) writes each
 checkpoint atomically and then a ``<name>.sha256`` sidecar; it loads a file
@@ -29,6 +34,7 @@ is unpickled. :func:`latest_checkpoint` finds the newest complete one.
 from __future__ import annotations
 
 import io
+import math
 import random
 import re
 from collections.abc import Mapping
@@ -39,6 +45,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import Checkpoint
 
 from reprotrain.atomic import atomic_write_bytes, atomic_write_text
 from reprotrain.distributed import gather_from_ranks, own_entry
@@ -113,8 +120,10 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return newest
 
 
-def _checkpoint_order(path: Path) -> tuple[int, ...]:
-    return tuple(int(n) for n in re.findall(r"\d+", path.stem))
+def _checkpoint_order(path: Path) -> tuple[float, ...]:
+    """``epoch=E`` (end of epoch E) after ``epoch=E-step=S`` (inside epoch E) after E - 1."""
+    numbers = [int(n) for n in re.findall(r"\d+", path.stem)] or [-1]
+    return (numbers[0], numbers[1] if len(numbers) > 1 else math.inf)
 
 
 def checkpoint_run_id(path: str | Path) -> str | None:
@@ -186,3 +195,30 @@ class RandomStateCallback(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         checkpoint[RUN_ID_KEY] = self.run_id
+
+
+class InterruptCheckpoint(Checkpoint):
+    """At SIGTERM, a checkpoint at the end of the current batch: ``epoch=E-step=S.ckpt``.
+
+    Lightning notes SIGTERM and stops after the batch (``SIGTERMException``);
+    without this, the newest checkpoint is the last epoch-boundary one. The
+    file is written like any checkpoint (the trainer's checkpoint IO, every
+    callback's state), in ``directory``. Not on an epoch's last batch (the
+    epoch's own hooks have not run) and not under DDP, where Lightning stops
+    the ranks before the batch instead; there the last checkpoint stays.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.written: Path | None = None
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:  # fmt: skip
+        last = batch_idx + 1 >= trainer.num_training_batches
+        if not trainer.received_sigterm or last or trainer.world_size > 1 or self.written:
+            return
+        path = self.directory / f"epoch={trainer.current_epoch}-step={trainer.global_step}.ckpt"
+        trainer.save_checkpoint(path)
+        self.written = path

@@ -50,7 +50,8 @@ MODES = {"default": "false", "deterministic": "true"}
 def run(_: object, args: argparse.Namespace) -> int:
     if args.runs < 2:
         raise DataError(
-            f"--runs {args.runs}: a noise floor needs 2 or more runs per mode; pass --runs 2+"
+            f"--runs {args.runs}: a noise floor needs at least 2 runs per mode; "
+            "pass --runs 2 or more"
         )
     if any(o.split("=", 1)[0].strip() == "deterministic" for o in args.overrides):
         raise DataError(

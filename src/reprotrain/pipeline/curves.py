@@ -47,13 +47,31 @@ class MemoryLogger(Logger):
 
 
 class CurveCheckpoint(L.Callback):
-    """Saves a :class:`MemoryLogger`'s rows with each checkpoint and restores them on resume."""
+    """Saves a :class:`MemoryLogger`'s rows with each checkpoint and restores them on resume.
+
+    Lightning logs a batch's step metrics after every ``on_train_batch_end``, so
+    a checkpoint written there (at SIGTERM, ``InterruptCheckpoint``) would lack
+    that batch's ``train_loss`` row: the row is kept at hand and added. One
+    process only (under DDP the logged value is the ranks' mean, and no
+    checkpoint is written mid-epoch).
+    """
 
     def __init__(self, logger: MemoryLogger) -> None:
         self.logger = logger
+        self._pending: tuple[int, str, float] | None = None
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:  # fmt: skip
+        if trainer.world_size == 1 and isinstance(outputs, Mapping) and "loss" in outputs:
+            self._pending = (trainer.global_step - 1, "train_loss", float(outputs["loss"]))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rows": [list(row) for row in self.logger._rows]}
+        rows = list(self.logger._rows)
+        if self._pending is not None and self._pending[:2] not in {r[:2] for r in rows}:
+            rows.append(self._pending)
+        return {"rows": [list(row) for row in rows]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.logger._rows = [(int(s), str(n), float(v)) for s, n, v in state["rows"]]

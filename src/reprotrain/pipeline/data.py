@@ -16,7 +16,9 @@ processes: its output is reproducible only because every worker is seeded
 (Lightning's worker init function, enabled by ``configure_determinism``),
 which is why ``num_workers`` defaults to 2. Workers are not persistent: each
 epoch's workers are seeded from ``train_generator``, so resuming at an epoch
-boundary with that generator restored replays the same augmentation.
+boundary with that generator restored replays the same augmentation. The
+training loader is a :class:`ResumableLoader`, so a checkpoint written in the
+middle of an epoch (at SIGTERM) resumes there with the same bits.
 
 Under DDP (``shard=True``) each rank trains on its own share of the training
 split (:class:`ShardSampler`): every epoch, every rank draws the same
@@ -34,7 +36,7 @@ and equal on every rank, with no all-reduce.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,15 +153,58 @@ class PreparedDataModule(L.LightningDataModule):
         self, dataset: Dataset, shuffle: bool = False, sampler: Sampler[int] | None = None
     ) -> DataLoader:
         """Training loaders (shuffled or sharded) take ``train_generator``, which seeds workers."""
-        training = shuffle or sampler is not None
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            num_workers=self.num_workers,
-            generator=self.train_generator if training else None,
-        )
+        if shuffle or sampler is not None:
+            return ResumableLoader(
+                dataset,
+                consumed=self._batches_trained,
+                batch_size=self.batch_size,
+                shuffle=shuffle,
+                sampler=sampler,
+                num_workers=self.num_workers,
+                generator=self.train_generator,
+            )
+        return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def _batches_trained(self) -> int:
+        """Training batches of the current epoch whose step has run (Lightning's count)."""
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+class ResumableLoader(DataLoader):
+    """A seeded training DataLoader that resumes in the middle of an epoch, bit for bit.
+
+    Each epoch's iterator draws the shuffle and the workers' base seed from
+    ``generator``. :meth:`state_dict` (which Lightning stores in every
+    checkpoint, as it does for any loader with one) holds the generator's
+    state from just before that draw and ``consumed()``, the batches training
+    has used. After :meth:`load_state_dict` (Lightning calls it only when
+    resuming mid-epoch) the next iterator rewinds the generator, draws the
+    same order and seeds, and loads and drops the consumed batches, so every
+    worker's augmentation stream is where it was.
+    """
+
+    def __init__(self, *args: object, consumed: Callable[[], int], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._consumed = consumed
+        self._epoch_start: torch.Tensor | None = None
+        self._skip = 0
+
+    def __iter__(self) -> Iterator:
+        if self.generator is not None:
+            self._epoch_start = self.generator.get_state()
+        iterator = super().__iter__()
+        for _ in range(self._skip):
+            next(iterator)
+        self._skip = 0
+        return iterator
+
+    def state_dict(self) -> dict[str, object]:
+        return {"epoch_start": self._epoch_start, "consumed": int(self._consumed())}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        if self.generator is not None and state["epoch_start"] is not None:
+            self.generator.set_state(state["epoch_start"])  # type: ignore[arg-type]
+        self._skip = int(state["consumed"])  # type: ignore[call-overload]
 
 
 class ShardSampler(Sampler[int]):

@@ -64,6 +64,7 @@ from reprotrain.pipeline.run_record import load_environment, run_inputs, write_r
 from reprotrain.provenance import run_id
 from reprotrain.resume import (
     CheckpointError,
+    InterruptCheckpoint,
     RandomStateCallback,
     VerifiedCheckpointIO,
     checkpoint_run_id,
@@ -218,6 +219,7 @@ def fit(
                 every_n_epochs=cfg.checkpoint_every_n_epochs,
                 enable_version_counter=False,
             ),
+            InterruptCheckpoint(checkpoint_dir),
         ]
     # Lightning 2.6 trips over its own use of a deprecated torch pytree API on every fit,
     # and warns about the (expected) earlier checkpoints when a run resumes.
