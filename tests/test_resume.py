@@ -37,6 +37,14 @@ from tests.helpers import (
 )
 
 EPOCHS = 4
+#: params.yaml's train.max_epochs, and the outputs the resumed pipeline must reproduce.
+DEFAULT_EPOCHS = 10
+REFERENCE_OUTPUTS = (
+    "models/model.safetensors",
+    "models/trace.safetensors",
+    "reports/metrics.json",
+    "reports/train_metrics.json",
+)
 pytestmark = pytest.mark.usefixtures("restore_torch_flags")
 
 
@@ -136,26 +144,35 @@ def test_sigterm_or_sigint_ends_in_one_line_and_the_rerun_has_the_same_bits(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_at", ["outputs", "trace", "run_record", "cleanup"])
-def test_kill_after_the_final_checkpoint_then_rerun_gives_the_same_bits(
-    kill_at: str, prepared: Path, env_record: Path, straight_run: Path, tmp_path: Path
+def test_kill_after_the_final_checkpoint_then_dvc_repro_gives_the_reference_bits(
+    kill_at: str, repo_copy: Path, dvc_repo: Path
 ) -> None:
-    argv = _train_argv(prepared, tmp_path, env_record)
+    # Through DVC, as a user meets it: the killed `dvc repro` has lost train's outputs
+    # (DVC removed them before the stage ran); the next `dvc repro` resumes from the
+    # final checkpoint and must give the committed reference's bytes.
     inject = {"PYTHONPATH": str(ROOT / "tests" / "inject"), "REPROTRAIN_TEST_KILL_AT": kill_at}
-    killed = run_cli(*argv, cwd=tmp_path, **inject)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    final = f"epoch={EPOCHS - 1}.ckpt"
-    assert list((tmp_path / "ckpt").glob(f"*/{final}")), "killed before the final checkpoint"
-    result = run_cli(*argv, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert f"resumed from {final}" in result.stdout
-    names = ("model.safetensors", "trace.safetensors", "metrics.json", "plots/train_loss.csv")
-    for name in (*names, "plots/val.csv"):
-        assert sha256_file(tmp_path / name) == sha256_file(straight_run / name), name
-    run_ids = [
-        json.loads((run / "run.json").read_text())["run_id"] for run in (tmp_path, straight_run)
-    ]
-    assert run_ids[0] == run_ids[1]
-    assert not any((tmp_path / "ckpt").rglob("*.ckpt")), "checkpoints are dropped after success"
+    killed = subprocess.run(
+        ["dvc", "repro", "--force", "--single-item", "train"],
+        cwd=repo_copy,
+        env=cli_env(**inject),
+        capture_output=True,
+        text=True,
+    )
+    assert killed.returncode != 0, killed.stdout + killed.stderr
+    final = f"epoch={DEFAULT_EPOCHS - 1}.ckpt"
+    assert list((repo_copy / "checkpoints").glob(f"*/{final}")), "killed before the final one"
+    out = run_checked("dvc", "repro", cwd=repo_copy)
+    if kill_at == "cleanup":  # every output was whole and equal to dvc.lock's: nothing to redo
+        assert "Stage 'train' didn't change, skipping" in out, out
+    else:
+        assert f"resumed from {final}" in out, out
+        assert not any((repo_copy / "checkpoints").rglob("*.ckpt")), "dropped after success"
+    for name in (*REFERENCE_OUTPUTS, "reports/plots/train/train_loss.csv"):
+        assert (repo_copy / name).read_bytes() == (dvc_repo / name).read_bytes(), name
+    resumed, reference = (
+        json.loads((r / "reports/run.json").read_text()) for r in (repo_copy, dvc_repo)
+    )
+    assert (resumed["run_id"], resumed["outputs"]) == (reference["run_id"], reference["outputs"])
 
 
 @pytest.fixture(scope="module")
