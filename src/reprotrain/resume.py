@@ -203,22 +203,46 @@ class InterruptCheckpoint(Checkpoint):
     Lightning notes SIGTERM and stops after the batch (``SIGTERMException``);
     without this, the newest checkpoint is the last epoch-boundary one. The
     file is written like any checkpoint (the trainer's checkpoint IO, every
-    callback's state), in ``directory``. Not on an epoch's last batch (the
-    epoch's own hooks have not run) and not under DDP, where Lightning stops
-    the ranks before the batch instead; there the last checkpoint stays.
+    callback's state), in ``directory``. On an epoch's last batch the stop is
+    put off by one batch, so the epoch ends with its own hooks (validation,
+    its checkpoint) and the file is written in the next epoch (or training
+    simply finishes). Not under DDP, where Lightning stops the ranks before
+    the batch instead: there the last epoch-boundary checkpoint stays.
     """
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.written: Path | None = None
+        self._deferred = False
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
         batch_idx: int,
     ) -> None:  # fmt: skip
-        last = batch_idx + 1 >= trainer.num_training_batches
-        if not trainer.received_sigterm or last or trainer.world_size > 1 or self.written:
+        if trainer.world_size > 1 or self.written:
             return
+        if self._deferred:
+            trainer.received_sigterm, self._deferred = True, False
+        if not trainer.received_sigterm:
+            return
+        if batch_idx + 1 >= trainer.num_training_batches:
+            trainer.received_sigterm, self._deferred = False, True
+            return
+        self._save(trainer)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        """A stop put off from an epoch's last batch still reads as SIGTERM to the caller.
+
+        When the signal also killed the DataLoader workers, the next fetch can fail
+        before any batch end sees the flag: no file is written then (a save at that
+        point does not resume exactly: measured), and the last checkpoint stays.
+        """
+        if self._deferred:
+            trainer.received_sigterm = True
+
+    def _save(self, trainer: L.Trainer) -> None:
         path = self.directory / f"epoch={trainer.current_epoch}-step={trainer.global_step}.ckpt"
         trainer.save_checkpoint(path)
         self.written = path

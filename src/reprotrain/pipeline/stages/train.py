@@ -255,12 +255,26 @@ def fit(
         # Lightning stops at the end of a batch after SIGTERM (SIGTERMException), or the
         # DataLoader-worker error comes first when the signal reached the workers too.
         if trainer.received_sigterm:
+            _ignore_dead_loader_workers()
             raise Interrupted(_interrupted(checkpoint_dir, got["signal"])) from None
         explained = explain_nondeterministic_error(err)  # type: ignore[arg-type]
         if explained is None:
             raise
         raise explained from None
     return module, logger
+
+
+def _ignore_dead_loader_workers() -> None:
+    """Keep the error line last: a DataLoader iterator whose workers the signal killed
+    fails to shut them down when it is collected at exit ("Exception ignored in ...
+    _MultiProcessingDataLoaderIter.__del__"); only that report is dropped."""
+    default = sys.unraisablehook
+
+    def hook(report: sys.UnraisableHookArgs) -> None:
+        if "DataLoaderIter.__del__" not in getattr(report.object, "__qualname__", ""):
+            default(report)
+
+    sys.unraisablehook = hook
 
 
 @contextlib.contextmanager
