@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,14 @@ from reprotrain.hashing import sha256_file
 from reprotrain.pipeline.config import ConfigError, load_params
 from reprotrain.pipeline.data import ShardSampler
 from reprotrain.trace import load_trace
-from tests.helpers import ROOT, kill_after_checkpoint, run_cli, train_argv
+from tests.helpers import (
+    ROOT,
+    cli_env,
+    kill_after_checkpoint,
+    run_cli,
+    train_argv,
+    wait_for_checkpoint,
+)
 
 DDP2 = ("-S", "train.strategy=ddp", "-S", "train.devices=2")
 DDP1 = ("-S", "train.strategy=ddp", "-S", "train.devices=1")
@@ -204,3 +216,34 @@ def test_gpu_one_gpu_ddp_twice_gives_identical_bits(repo_copy: Path, tmp_path: P
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "IDENTICAL (2 runs)" in result.stdout
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_ddp_job_checkpoints_mid_epoch_and_resumes_to_the_same_bits(
+    runs: dict[str, Path], prepared: Path, env_record: Path, tmp_path: Path
+) -> None:
+    # As a cluster preempts a job: SIGTERM to every process of it (ranks and workers).
+    # Lightning's own DDP handler hung here; every rank must stop at one batch end.
+    argv = _argv(prepared, env_record, tmp_path, *DDP2)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reprotrain", *argv],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    wait_for_checkpoint(proc, tmp_path / "ckpt", 0)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 130, stderr
+    errors = [line for line in stderr.splitlines() if "reprotrain: error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("reprotrain: error: training interrupted")
+    written = re.search(r"(epoch=1-step=\d+\.ckpt)", errors[0])
+    assert written, errors[0]
+    result = run_cli(*argv, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {written.group(1)}" in result.stdout, result.stdout
+    for name in ("model.safetensors", "trace.safetensors", "metrics.json", "plots/train_loss.csv"):
+        assert sha256_file(tmp_path / name) == sha256_file(runs["a"] / name), name

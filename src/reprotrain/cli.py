@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             EXIT_BAD_INPUT,
         )
     except Interrupted as err:
+        if os.environ.get("LOCAL_RANK", "0") != "0":  # every rank stops; local rank 0 says so
+            return EXIT_INTERRUPTED
         return _fail(f"{err}", EXIT_INTERRUPTED)
     except KeyboardInterrupt:
         return _fail("interrupted; rerun the same command to start again", EXIT_INTERRUPTED)

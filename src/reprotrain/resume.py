@@ -21,8 +21,8 @@ epoch is exact only when the training DataLoader can resume mid-epoch (it has
 pipeline's ``ResumableLoader``); otherwise Lightning restarts the epoch's
 data iteration and the batches already seen are not replayed in order.
 :class:`InterruptCheckpoint` writes such a checkpoint at the end of the batch
-in which SIGTERM (Lightning's preemption signal) arrived, in one process;
-under DDP the last epoch-boundary checkpoint stays the resume point.
+in which SIGTERM (Lightning's preemption signal) arrived, on every rank
+under DDP.
 
 :class:`VerifiedCheckpointIO` (``Trainer(plugins=[...])``) writes each
 checkpoint atomically and then a ``<name>.sha256`` sidecar; it loads a file
@@ -37,6 +37,7 @@ import io
 import math
 import random
 import re
+import signal
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -206,27 +207,48 @@ class InterruptCheckpoint(Checkpoint):
     callback's state), in ``directory``. On an epoch's last batch the stop is
     put off by one batch, so the epoch ends with its own hooks (validation,
     its checkpoint) and the file is written in the next epoch (or training
-    simply finishes). Not under DDP, where Lightning stops the ranks before
-    the batch instead: there the last epoch-boundary checkpoint stays.
+    simply finishes). Under DDP see :meth:`on_train_start`.
     """
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.written: Path | None = None
         self._deferred = False
+        self._signalled = False
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Under DDP, SIGTERM only sets a flag; the ranks agree on it at each batch end.
+
+        Lightning's own DDP handler broadcasts from inside the signal handler, which
+        can pair with another collective on the other ranks: a SIGTERM to the
+        process group of a 2-rank CPU run hung there (measured). Lightning restores
+        its handlers at teardown.
+        """
+        if trainer.world_size > 1:
+            signal.signal(signal.SIGTERM, self._note_signal)
+
+    def _note_signal(self, signum: int, frame: object) -> None:
+        self._signalled = True
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
         batch_idx: int,
     ) -> None:  # fmt: skip
-        if trainer.world_size > 1 or self.written:
+        # Under DDP a collective on every rank at every batch end: any rank signalled stops all.
+        if trainer.world_size > 1 and trainer.strategy.reduce_boolean_decision(
+            self._signalled, all=False
+        ):
+            _set_received_sigterm(trainer, True)
+        if self.written:
             return
         if self._deferred:
-            trainer.received_sigterm, self._deferred = True, False
+            _set_received_sigterm(trainer, True)
+            self._deferred = False
         if not trainer.received_sigterm:
             return
         if batch_idx + 1 >= trainer.num_training_batches:
-            trainer.received_sigterm, self._deferred = False, True
+            _set_received_sigterm(trainer, False)
+            self._deferred = True
             return
         self._save(trainer)
 
@@ -240,9 +262,15 @@ class InterruptCheckpoint(Checkpoint):
         point does not resume exactly: measured), and the last checkpoint stays.
         """
         if self._deferred:
-            trainer.received_sigterm = True
+            _set_received_sigterm(trainer, True)
 
     def _save(self, trainer: L.Trainer) -> None:
         path = self.directory / f"epoch={trainer.current_epoch}-step={trainer.global_step}.ckpt"
         trainer.save_checkpoint(path)
         self.written = path
+
+
+def _set_received_sigterm(trainer: L.Trainer, value: bool) -> None:
+    """``Trainer.received_sigterm`` is read-only; its signal connector holds the flag
+    (Lightning 2.6, the version the locks pin)."""
+    trainer._signal_connector.received_sigterm = value

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -51,9 +52,8 @@ class CurveCheckpoint(L.Callback):
 
     Lightning logs a batch's step metrics after every ``on_train_batch_end``, so
     a checkpoint written there (at SIGTERM, ``InterruptCheckpoint``) would lack
-    that batch's ``train_loss`` row: the row is kept at hand and added. One
-    process only (under DDP the logged value is the ranks' mean, and no
-    checkpoint is written mid-epoch).
+    that batch's ``train_loss`` row: the row is kept at hand and added (under
+    DDP the ranks' mean, one small all-reduce per batch).
     """
 
     def __init__(self, logger: MemoryLogger) -> None:
@@ -64,8 +64,13 @@ class CurveCheckpoint(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
         batch_idx: int,
     ) -> None:  # fmt: skip
-        if trainer.world_size == 1 and isinstance(outputs, Mapping) and "loss" in outputs:
-            self._pending = (trainer.global_step - 1, "train_loss", float(outputs["loss"]))
+        if not (isinstance(outputs, Mapping) and "loss" in outputs):
+            return
+        loss = outputs["loss"].detach().clone()
+        if trainer.world_size > 1:  # the ranks' mean, as `self.log(..., sync_dist=True)` takes it
+            torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.SUM)
+            loss = loss / trainer.world_size
+        self._pending = (trainer.global_step - 1, "train_loss", float(loss))
 
     def state_dict(self) -> dict[str, Any]:
         rows = list(self.logger._rows)

@@ -36,6 +36,7 @@ and equal on every rank, with no all-reduce.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,14 +164,34 @@ class PreparedDataModule(L.LightningDataModule):
                 num_workers=self.num_workers,
                 generator=self.train_generator,
             )
-        return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers)
+        return WorkersIgnoreStopSignals(
+            dataset, batch_size=self.batch_size, num_workers=self.num_workers
+        )
 
     def _batches_trained(self) -> int:
         """Training batches of the current epoch whose step has run (Lightning's count)."""
         return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
 
-class ResumableLoader(DataLoader):
+class WorkersIgnoreStopSignals(DataLoader):
+    """A DataLoader whose worker processes start with SIGTERM and SIGINT blocked.
+
+    The mask is inherited by the forked workers and torch's worker loop leaves
+    it, so a signal to the whole process group (a cluster preempting the job,
+    Ctrl-C in a terminal) reaches the training processes alone: they stop after
+    the batch and shut their workers down, instead of a killed worker failing a
+    fetch at a different moment on each DDP rank.
+    """
+
+    def __iter__(self) -> Iterator:
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+class ResumableLoader(WorkersIgnoreStopSignals):
     """A seeded training DataLoader that resumes in the middle of an epoch, bit for bit.
 
     Each epoch's iterator draws the shuffle and the workers' base seed from
