@@ -151,6 +151,32 @@ def kill_after_checkpoint(argv: list[str], ckpt_root: Path, min_epoch: int, cwd:
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
 
 
+def signal_after_checkpoint(
+    argv: list[str], cwd: Path, signum: int, to_group: bool = False
+) -> tuple[int, str]:
+    """Start `reprotrain train`, send ``signum`` once ``cwd/ckpt`` holds epoch 0's checkpoint.
+
+    ``to_group``: to its whole process group (ranks and DataLoader workers), as a
+    cluster preempting a job does. Returns the exit code and stderr.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reprotrain", *argv],
+        cwd=cwd,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=to_group,
+    )
+    wait_for_checkpoint(proc, cwd / "ckpt", 0)
+    if to_group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=180)
+    return proc.returncode, stderr
+
+
 #: A value for :func:`params_with` that removes the key.
 DELETE = object()
 

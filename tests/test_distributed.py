@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,11 +20,10 @@ from reprotrain.pipeline.data import ShardSampler
 from reprotrain.trace import load_trace
 from tests.helpers import (
     ROOT,
-    cli_env,
     kill_after_checkpoint,
     run_cli,
+    signal_after_checkpoint,
     train_argv,
-    wait_for_checkpoint,
 )
 
 DDP2 = ("-S", "train.strategy=ddp", "-S", "train.devices=2")
@@ -225,19 +221,8 @@ def test_sigterm_to_a_ddp_job_checkpoints_mid_epoch_and_resumes_to_the_same_bits
     # As a cluster preempts a job: SIGTERM to every process of it (ranks and workers).
     # Lightning's own DDP handler hung here; every rank must stop at one batch end.
     argv = _argv(prepared, env_record, tmp_path, *DDP2)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "reprotrain", *argv],
-        cwd=tmp_path,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    wait_for_checkpoint(proc, tmp_path / "ckpt", 0)
-    os.killpg(proc.pid, signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=180)
-    assert proc.returncode == 130, stderr
+    code, stderr = signal_after_checkpoint(argv, tmp_path, signal.SIGTERM, to_group=True)
+    assert code == 130, stderr
     errors = [line for line in stderr.splitlines() if "reprotrain: error:" in line]
     assert len(errors) == 1 and errors[0].startswith("reprotrain: error: training interrupted")
     written = re.search(r"(epoch=1-step=\d+\.ckpt)", errors[0])

@@ -255,12 +255,7 @@ class InterruptCheckpoint(Checkpoint):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        """A stop put off from an epoch's last batch still reads as SIGTERM to the caller.
-
-        When the signal also killed the DataLoader workers, the next fetch can fail
-        before any batch end sees the flag: no file is written then (a save at that
-        point does not resume exactly: measured), and the last checkpoint stays.
-        """
+        """A stop put off from an epoch's last batch still reads as SIGTERM to the caller."""
         if self._deferred:
             _set_received_sigterm(trainer, True)
 
