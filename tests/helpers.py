@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -135,15 +136,16 @@ def kill_tree(roots) -> None:
             victim.kill()
 
 
+def start_cli(argv: list[str], cwd: Path, **popen: Any) -> subprocess.Popen:
+    """`python -m reprotrain ARGV` started in a fresh process (as :func:`run_cli` runs it)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "reprotrain", *argv], cwd=cwd, env=cli_env(), **popen
+    )
+
+
 def kill_after_checkpoint(argv: list[str], ckpt_root: Path, min_epoch: int, cwd: Path) -> None:
     """Start `reprotrain train`, SIGKILL it at a random moment after epoch `min_epoch` is saved."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "reprotrain", *argv],
-        cwd=cwd,
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = start_cli(argv, cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_checkpoint(proc, ckpt_root, min_epoch)
     time.sleep(random.uniform(0, 0.2))  # inside the next epoch, well before the end
     kill_tree([psutil.Process(proc.pid)])
@@ -159,15 +161,10 @@ def signal_after_checkpoint(
     ``to_group``: to its whole process group (ranks and DataLoader workers), as a
     cluster preempting a job does. Returns the exit code and stderr.
     """
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "reprotrain", *argv],
-        cwd=cwd,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = start_cli(
+        argv, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=to_group,
-    )
+    )  # fmt: skip
     wait_for_checkpoint(proc, cwd / "ckpt", 0)
     if to_group:
         os.killpg(proc.pid, signum)
