@@ -52,7 +52,11 @@ ENV_RULES: tuple[EnvRule, ...] = (
     EnvRule(r"cuda|cudnn|cublas|nccl|cufft|curand|rocm|hip", "voids", "GPU library build"),
     EnvRule(r"cpu|isa|machine|avx\w*|amx\w*|mkl\w*|onednn|\w*blas", "voids", "CPU kernels"),
     EnvRule(r"threads|num_threads|omp_num_threads|interop_threads", "voids", "reduction order"),
+    EnvRule(
+        r"world_size_invariant", "voids", "invariant mode: the world size no longer decides bits"
+    ),
     EnvRule(r"world_size|backend|num_nodes|devices|accelerator|precision", "voids", "topology"),
+    EnvRule(r"strategy", "voids", "topology"),
     EnvRule(r"determinis\w*|\w*hash_?seed|\w*tf32\w*|matmul_precision", "voids", "flags"),
     EnvRule(r"python|lightning|numpy|driver|platform|os|kernel|g?libc", "may matter", "stack"),
     EnvRule(r"lock|packages|container|image|image_id|base_image", "may matter", "installed set"),

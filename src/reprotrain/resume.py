@@ -207,7 +207,8 @@ class InterruptCheckpoint(Checkpoint):
     callback's state), in ``directory``. On an epoch's last batch the stop is
     put off by one batch, so the epoch ends with its own hooks (validation,
     its checkpoint) and the file is written in the next epoch (or training
-    simply finishes). Under DDP see :meth:`on_train_start`.
+    simply finishes); under gradient accumulation it is put off to the batch
+    that ends an optimizer step. Under DDP see :meth:`on_train_start`.
     """
 
     def __init__(self, directory: str | Path) -> None:
@@ -246,7 +247,10 @@ class InterruptCheckpoint(Checkpoint):
             self._deferred = False
         if not trainer.received_sigterm:
             return
-        if batch_idx + 1 >= trainer.num_training_batches:
+        last_of_epoch = batch_idx + 1 >= trainer.num_training_batches
+        # Accumulated gradients live in no checkpoint: stop only where an optimizer step ends.
+        accumulating = (batch_idx + 1) % getattr(trainer, "accumulate_grad_batches", 1) != 0
+        if last_of_epoch or accumulating:
             _set_received_sigterm(trainer, False)
             self._deferred = True
             return

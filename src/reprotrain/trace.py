@@ -26,6 +26,14 @@ gradients as DDP leaves them, after the all-reduce, so a backward difference
 on one rank shows on every rank at once); at the end of fit (and in every
 checkpoint) the rows of all ranks are gathered and rank 0 writes one file with
 a ``rank`` column. A trace of a sharded model covers each rank's shard.
+
+Under :class:`~reprotrain.invariant.WorldSizeInvariantStrategy` a row is a
+micro-batch: its ``batch_idx`` is the micro-batch's place in the epoch over
+all ranks, its loss the micro-batch's own, its RNG state the one seeded for
+it; weights are traced on the last micro-batch of every ``weights_every``-th
+step (the gradients the step applies, the same on every rank). Rank 0 writes
+the rows of all ranks merged in that order as one stream (``world_size`` 1),
+so the trace, like the weights, is the same file at any world size.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from reprotrain.atomic import atomic_write_safetensors
 from reprotrain.devicehash import fingerprints
 from reprotrain.distributed import gather_from_ranks, own_entry
 from reprotrain.hashing import safetensors_metadata
+from reprotrain.invariant import WorldSizeInvariantStrategy
 from reprotrain.tracefile import FORMAT, RECORDS, VERSION, Detail, Trace, load_trace
 
 __all__ = ["DEFAULT_WEIGHTS_EVERY", "Trace", "TraceCallback", "load_trace", "rng_states"]
@@ -144,6 +153,7 @@ class TraceCallback(Callback):
         self._host: list[list[int]] = []  # step, epoch, batch_idx, traced, rng, rng sources
         self._grads: torch.Tensor | None = None
         self._gathered: list[dict[str, Any]] | None = None  # every rank's rows, at the end
+        self._merge_ranks = isinstance(trainer.strategy, WorldSizeInvariantStrategy)
         if self._restored is not None:  # resuming: keep the rows of the steps already run
             self._continue(self._restored)
             return
@@ -186,8 +196,16 @@ class TraceCallback(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._traced = len(self._host) % self.weights_every == 0
         self._grads = None
+        strategy = trainer.strategy
+        if isinstance(strategy, WorldSizeInvariantStrategy):
+            per_rank = trainer.accumulate_grad_batches
+            micro_batch = strategy.first_micro_batch + batch_idx % per_rank
+            batch_idx = batch_idx // per_rank * strategy.micro_batches + micro_batch
+            last = micro_batch == strategy.micro_batches - 1
+            self._traced = last and trainer.global_step % self.weights_every == 0
+        else:
+            self._traced = len(self._host) % self.weights_every == 0
         leaves = list(_leaves(batch))
         signature = tuple((p, t.dtype, tuple(t.shape)) for p, t in leaves)
         if (mix := self._batch_mixers.get(signature)) is None:
@@ -218,6 +236,8 @@ class TraceCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(trainer.strategy, WorldSizeInvariantStrategy):
+            loss = trainer.strategy.micro_batch_loss  # Lightning's is divided by the rank's share
         if not isinstance(loss, torch.Tensor):  # manual optimization that returns nothing
             loss = torch.tensor(float("nan"))
         # float64 holds every float loss exactly: its bits are the loss bits, and the value.
@@ -254,6 +274,11 @@ class TraceCallback(Callback):
         tensors["rank"] = torch.cat(
             [torch.full((len(part["step"]),), r, dtype=torch.int64) for r, part in enumerate(parts)]
         )
+        if self._merge_ranks:  # one stream in micro-batch order, whatever the world size
+            order = np.lexsort((tensors["batch_idx"].numpy(), tensors["epoch"].numpy()))
+            tensors = {name: t[torch.from_numpy(order)].contiguous() for name, t in tensors.items()}
+            tensors["rank"].zero_()
+            ranks = ranks[:1]
         tensors["initial_params"] = torch.tensor([s["initial"] for s in ranks], dtype=torch.int64)
         names = {"param_names": list(self._names), "rng_sources": list(self._rng_sources)}
         metadata = safetensors_metadata(

@@ -251,9 +251,25 @@ def _hardware_items(
             "cpu.profile native: this CPU's instruction set decides the bits "
             f"({', '.join(profile.get('dispatch_flags', []))})",
         )
+    layout = current.get("processes", {})
+    if layout.get("world_size_invariant"):
+        detail = "train.world_size_invariant: the same bits at any power-of-two world size"
+        processes = Item("hardware", "bits independent of the world size", "pass", detail)
+    else:
+        world = layout.get("devices", 1) * layout.get("num_nodes", 1)
+        detail = (
+            f"world size {world} decides the bits (so it is in the cache key); "
+            "train.world_size_invariant: true lifts that"
+        )
+        processes = Item("hardware", "bits independent of the world size", "warn", detail)
+    recorded_items = [model, processes]
     reference = _committed_json(path) or recorded
     if reference is None:
-        return [model, kernels, Item("hardware", "same as reference run", "warn", "no reference")]
+        return [
+            *recorded_items,
+            kernels,
+            Item("hardware", "same as reference run", "warn", "no reference"),
+        ]
     diffs = compare_environments(reference, bit_deciding(current))
     voiding = [d.key for d in diffs if d.voids]
     if voiding:
@@ -264,4 +280,4 @@ def _hardware_items(
         same = Item("hardware", "same as reference run", "warn", detail)
     else:
         same = Item("hardware", "same as reference run", "pass", "identical environment record")
-    return [model, kernels, same]
+    return [*recorded_items, kernels, same]

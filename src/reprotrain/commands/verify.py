@@ -9,6 +9,11 @@ diverging step, record and diagnosis; weights table) and the run folders
 kept for a closer look. The prepared data comes from ``dvc repro prepare``
 (run first if it is missing).
 
+``--world-sizes 1 2 4`` trains once per world size instead (``train.devices``,
+``ddp`` above 1): under ``train.world_size_invariant`` the runs must be
+identical (docs/world-size-invariance.md); outside it they are expected to
+differ, and the comparison says from which step.
+
 ``--against REV`` compares a fresh run with the outputs committed at a git
 revision (read through DVC). That is only meaningful on the environment the
 revision was trained on: when the fresh environment record differs from the
@@ -60,6 +65,11 @@ EXIT_DIFFERENT = 1
 def run(_: object, args: argparse.Namespace) -> int:
     if args.reference is not None:
         return check_reference(args.reference, args.workdir)
+    if args.world_sizes is not None and (len(args.world_sizes) < 2 or min(args.world_sizes) < 1):
+        raise DataError(
+            f"--world-sizes {' '.join(map(str, args.world_sizes))}: give two or more world "
+            "sizes >= 1, e.g. --world-sizes 1 2"
+        )
     if args.runs < 2 and not args.against:
         raise DataError(
             f"--runs {args.runs}: verify needs at least 2 runs to compare; pass --runs 2 or more"
@@ -75,8 +85,14 @@ def _verify(args: argparse.Namespace, workspace: Workspace) -> int:
     if args.against:
         reference = _committed_run(args.against, workdir, record)
         runs = 1 if reference is not None else max(runs, 2)
-    folders = [workdir / f"run-{i + 1}" for i in range(runs)]
-    train_fresh(train_args, folders, environment, args.overrides, "verify", args.jobs)
+    if args.world_sizes:
+        folders = [workdir / f"world-size-{n}" for n in args.world_sizes]
+        for folder, n in zip(folders, args.world_sizes, strict=True):
+            layout = [f"train.devices={n}", f"train.strategy={'ddp' if n > 1 else 'single_device'}"]
+            train_fresh(train_args, [folder], environment, [*args.overrides, *layout], "verify")
+    else:
+        folders = [workdir / f"run-{i + 1}" for i in range(runs)]
+        train_fresh(train_args, folders, environment, args.overrides, "verify", args.jobs)
     fresh = [run_in_folder(folder, folder.name) for folder in folders]
     first = reference or fresh[0]
     results = [compare_runs(first, other) for other in (fresh[1:] if reference is None else fresh)]

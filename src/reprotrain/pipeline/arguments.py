@@ -155,6 +155,14 @@ def _checklist(parser: argparse.ArgumentParser) -> None:
 
 def _verify(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=2, help="fresh training runs (>= 2)")
+    parser.add_argument(
+        "--world-sizes",
+        metavar="N",
+        type=int,
+        nargs="+",
+        help="one run per world size N (train.devices=N, ddp above 1), instead of --runs: "
+        "with train.world_size_invariant they must be identical",
+    )
     parser.add_argument("--against", metavar="REV", help="compare a fresh run with REV's outputs")
     parser.add_argument(
         "--reference",

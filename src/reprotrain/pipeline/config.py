@@ -85,6 +85,25 @@ class TrainConfig:
         "Lightning precision",
         choices=("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"),
     )
+    world_size_invariant: bool = _spec(
+        False,
+        "true: the same bits at any world size (1, 2, 4...: a power of two dividing "
+        "data.batch_size / micro_batch_size), via micro-batches added in a fixed tree; the "
+        "world size then leaves the run ID (docs/world-size-invariance.md)",
+    )
+    micro_batch_size: int = _spec(
+        16,
+        "samples per micro-batch under world_size_invariant (must divide data.batch_size); "
+        "unused otherwise",
+        ge=1,
+        le=65536,
+    )
+
+    def process_layout(self) -> dict[str, Any]:
+        """The part of the process layout that decides the bits (in the environment record)."""
+        if self.world_size_invariant:
+            return {"world_size_invariant": True}
+        return {"strategy": self.strategy, "devices": self.devices, "num_nodes": self.num_nodes}
 
 
 @dataclass(frozen=True)
@@ -180,6 +199,17 @@ def parse_params(raw: Mapping[str, Any], source: str = "params") -> Params:
             f"{train.devices} x train.num_nodes {train.num_nodes}; set train.strategy: ddp "
             "for more than one device"
         )
+    if train.world_size_invariant:
+        from reprotrain.invariant import invariant_layout_problem  # torch: only in this mode
+
+        world = train.devices * train.num_nodes
+        problem = invariant_layout_problem(params.data.batch_size, train.micro_batch_size, world)
+        if problem:
+            raise ConfigError(
+                f"{source}: train.world_size_invariant: {problem} (train.devices x "
+                "train.num_nodes, data.batch_size, train.micro_batch_size); set e.g. "
+                "data.batch_size: 64, train.micro_batch_size: 16 for world sizes 1, 2 and 4"
+            )
     return params
 
 

@@ -67,7 +67,10 @@ class CurveCheckpoint(L.Callback):
         if not (isinstance(outputs, Mapping) and "loss" in outputs):
             return
         loss = outputs["loss"].detach().clone()
-        if trainer.world_size > 1:  # the ranks' mean, as `self.log(..., sync_dist=True)` takes it
+        step_loss = getattr(trainer.strategy, "step_loss", None)  # world-size invariant mode
+        if step_loss is not None:
+            loss = step_loss
+        elif trainer.world_size > 1:  # the ranks' mean, as `self.log(..., sync_dist=True)` takes it
             torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.SUM)
             loss = loss / trainer.world_size
         self._pending = (trainer.global_step - 1, "train_loss", float(loss))

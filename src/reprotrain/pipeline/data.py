@@ -32,6 +32,13 @@ batches differed from the first step of the next epoch). Workers are seeded
 per rank: Lightning's worker init function mixes in the global rank.
 Validation runs over the whole split on every rank, so its metrics are exact
 and equal on every rank, with no all-reduce.
+
+With ``micro_batch_size`` (``train.world_size_invariant``) the training loader
+takes :class:`~reprotrain.invariant.MicroBatchSampler`'s micro-batches of one
+global order instead, and each image's shift is drawn from its own key
+(:func:`~reprotrain.invariant.sample_rng`), not from a worker's generator, so
+neither the rank nor the worker decides a draw; the last partial batch of an
+epoch is dropped.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from reprotrain.atomic import atomic_write_safetensors
 from reprotrain.hashing import load_safetensors, safetensors_metadata
+from reprotrain.invariant import MicroBatchSampler, sample_rng
 from reprotrain.pipeline.errors import DataError
 
 SPLITS = ("train", "val", "test")
@@ -98,10 +106,16 @@ class ShiftedImages(Dataset):
     def __len__(self) -> int:
         return len(self.y)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(
+        self, item: int | tuple[int, tuple[int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        index, key = item if isinstance(item, tuple) else (item, None)
         image = self.x[index]
         if self.augment:
-            dy, dx = np.random.randint(-1, 2, size=2)
+            if key is None:  # the worker's generator, seeded per worker (and rank)
+                dy, dx = np.random.randint(-1, 2, size=2)
+            else:  # the sample's own: the same in any worker, on any rank
+                dy, dx = sample_rng(key).integers(-1, 2, size=2)
             image = _shift(image, int(dy), int(dx))
         return image, self.y[index]
 
@@ -126,6 +140,7 @@ class PreparedDataModule(L.LightningDataModule):
         augment: bool,
         seed: int,
         shard: bool = False,
+        micro_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         self.data = data
@@ -134,11 +149,19 @@ class PreparedDataModule(L.LightningDataModule):
         self.augment = augment
         self.seed = seed
         self.shard = shard
+        self.micro_batch_size = micro_batch_size
         self.train_generator = torch.Generator().manual_seed(seed)
 
     def train_dataloader(self) -> DataLoader:
         x, y = self.data.split("train")
         dataset = ShiftedImages(x, y, self.augment)
+        if self.micro_batch_size is not None:
+            rank, ranks = self.trainer.global_rank, self.trainer.world_size
+            micro_batches = MicroBatchSampler(
+                len(dataset), self.batch_size, self.micro_batch_size, rank, ranks,
+                self.train_generator,
+            )  # fmt: skip
+            return self._loader(dataset, batch_sampler=micro_batches)
         if not self.shard:
             return self._loader(dataset, shuffle=True)
         rank, ranks = self.trainer.global_rank, self.trainer.world_size
@@ -151,9 +174,21 @@ class PreparedDataModule(L.LightningDataModule):
         return self._loader(ShiftedImages(x, y, augment=False))
 
     def _loader(
-        self, dataset: Dataset, shuffle: bool = False, sampler: Sampler[int] | None = None
+        self,
+        dataset: Dataset,
+        shuffle: bool = False,
+        sampler: Sampler[int] | None = None,
+        batch_sampler: Sampler[list] | None = None,
     ) -> DataLoader:
         """Training loaders (shuffled or sharded) take ``train_generator``, which seeds workers."""
+        if batch_sampler is not None:
+            return ResumableLoader(
+                dataset,
+                consumed=self._batches_trained,
+                batch_sampler=batch_sampler,
+                num_workers=self.num_workers,
+                generator=self.train_generator,
+            )
         if shuffle or sampler is not None:
             return ResumableLoader(
                 dataset,

@@ -55,9 +55,15 @@ class Classifier(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y)
-        # Under DDP: the mean over the ranks (each rank's own loss is in the trace).
-        self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+        if not self.train_config.world_size_invariant:
+            # Under DDP: the mean over the ranks (each rank's own loss is in the trace).
+            self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
         return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.train_config.world_size_invariant:  # every micro-batch's loss, tree-averaged
+            step_loss = self.trainer.strategy.step_loss  # type: ignore[attr-defined]
+            self.log("train_loss", step_loss, on_step=True, on_epoch=False)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
         x, y = batch

@@ -74,7 +74,11 @@ def whole_environment(lock: Path | None = None, params: Params | None = None) ->
     # configure_determinism sets this default in the training process; record it as in force.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
     params = params if params is not None else load_params(Path("params.yaml"))
-    return capture_environment(lock, NOT_LOCKED, params.cpu.to_profile())
+    record = capture_environment(lock, NOT_LOCKED, params.cpu.to_profile())
+    # The world size decides the bits unless train.world_size_invariant; dvc.yaml's train
+    # stage lists none of these keys, so they reach its cache key here, or do not.
+    record["processes"] = params.train.process_layout()
+    return record
 
 
 def stage_params(path: Path | None, printing: bool = False) -> tuple[Params, str]:

@@ -20,6 +20,14 @@ trains on its seeded share of the data; only rank 0 writes, after gathering
 every rank's trace rows (the checkpoints carry every rank's random state).
 The distributed layout (world size, backend, DDP options, ``NCCL_*``
 settings) is part of the run inputs, so it is part of the run ID.
+
+With ``train.world_size_invariant`` the stage trains through
+:class:`~reprotrain.invariant.WorldSizeInvariantStrategy` (also in one
+process), in micro-batches of ``train.micro_batch_size``: the same bits at
+world size 1, 2, 4..., so the layout in the run ID is the mode, not the
+world size, and ``dvc.yaml`` lists neither ``train.devices`` nor
+``train.num_nodes`` nor ``train.strategy`` (the env stage's record carries
+them when they decide the bits).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from reprotrain.atomic import atomic_write_safetensors, atomic_write_text
@@ -48,6 +57,7 @@ from reprotrain.determinism import (
     explain_nondeterministic_error,
 )
 from reprotrain.distributed import (
+    BACKENDS,
     RankAgreement,
     ddp_strategy,
     distributed_layout,
@@ -55,6 +65,7 @@ from reprotrain.distributed import (
     this_rank,
 )
 from reprotrain.hashing import canonical_json, safetensors_metadata
+from reprotrain.invariant import WorldSizeInvariantStrategy
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.curves import CurveCheckpoint, MemoryLogger
 from reprotrain.pipeline.data import PreparedData, PreparedDataModule, load_prepared
@@ -72,7 +83,9 @@ from reprotrain.resume import (
 )
 from reprotrain.trace import TraceCallback
 
-#: The params.yaml keys this stage reads; dvc.yaml lists exactly these.
+#: The params.yaml keys this stage reads; dvc.yaml lists exactly these. The process
+#: layout (train.devices, train.num_nodes, train.strategy) reaches the cache key through
+#: the environment record, only when it decides the bits.
 PARAMS = (
     "seed",
     "deterministic",
@@ -81,7 +94,16 @@ PARAMS = (
     "data.num_workers",
     "data.augment",
     "model",
-    "train",
+    "train.max_epochs",
+    "train.checkpoint_every_n_epochs",
+    "train.trace",
+    "train.optimizer",
+    "train.lr",
+    "train.weight_decay",
+    "train.accelerator",
+    "train.precision",
+    "train.world_size_invariant",
+    "train.micro_batch_size",
 )
 
 
@@ -120,8 +142,16 @@ def stage_inputs(
     cfg = params.train
     if cfg.strategy == "ddp":
         set_threads_per_rank(cfg.devices)
-    layout = distributed_layout(cfg.strategy, cfg.accelerator, cfg.devices, cfg.num_nodes)
+    layout = process_layout(params)
     return run_inputs(__name__, params, PARAMS, data, environment, dvc_lock, settings, layout)
+
+
+def process_layout(params: Params) -> dict:
+    """What of the process layout decides the bits: the world size, unless in invariant mode."""
+    cfg = params.train
+    if cfg.world_size_invariant:
+        return {"strategy": "world_size_invariant", "backend": BACKENDS[cfg.accelerator]}
+    return distributed_layout(cfg.strategy, cfg.accelerator, cfg.devices, cfg.num_nodes)
 
 
 def _check_lock(lock: dict, mode: object, evidence: bool = False) -> None:
@@ -190,6 +220,7 @@ def fit(
     """
     cfg = params.train
     ddp = cfg.strategy == "ddp"
+    invariant = cfg.world_size_invariant
     module = Classifier(params.model, cfg, data.input_shape, data.num_classes)
     datamodule = PreparedDataModule(
         data,
@@ -197,11 +228,13 @@ def fit(
         num_workers=params.data.num_workers,
         augment=params.data.augment,
         seed=params.seed,
-        shard=ddp,
+        shard=ddp and not invariant,
+        micro_batch_size=cfg.micro_batch_size if invariant else None,
     )
+    strategy, accumulate = _strategy(params)
     logger = MemoryLogger()
     callbacks: list[L.Callback] = list(extra_callbacks)
-    if ddp:
+    if ddp or invariant:
         facts = {"run_id": identity, "resume_from": resume_from and resume_from.name}
         callbacks.append(RankAgreement(facts, strict=settings.mode is True))
     if tracer is not None:
@@ -232,7 +265,8 @@ def fit(
         logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     trainer = L.Trainer(
         accelerator=cfg.accelerator,
-        strategy=ddp_strategy(cfg.accelerator) if ddp else "auto",
+        strategy=strategy,
+        accumulate_grad_batches=accumulate,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
         use_distributed_sampler=False,  # the data module shards with a seeded sampler
@@ -262,6 +296,16 @@ def fit(
             raise
         raise explained from None
     return module, logger
+
+
+def _strategy(params: Params) -> tuple[Strategy | str, int]:
+    """Lightning's strategy for ``train.strategy`` (and the mode), and its accumulation."""
+    cfg = params.train
+    if cfg.world_size_invariant:
+        micro_batches = params.data.batch_size // cfg.micro_batch_size
+        invariant = WorldSizeInvariantStrategy(micro_batches, params.seed, cfg.accelerator)
+        return invariant, invariant.micro_batches_per_rank(cfg.devices * cfg.num_nodes)
+    return (ddp_strategy(cfg.accelerator) if cfg.strategy == "ddp" else "auto"), 1
 
 
 def _ignore_dead_loader_workers() -> None:
@@ -320,6 +364,11 @@ def _write_outputs(
     logger: MemoryLogger,
 ) -> dict[str, Path]:
     weights = {name: t.detach().cpu().contiguous() for name, t in module.net.state_dict().items()}
+    if params.train.world_size_invariant:
+        # The layout did not decide these weights: record it as one process, so the file is
+        # the same at any world size (run.json's inputs name the mode).
+        one = dataclasses.replace(params.train, devices=1, num_nodes=1, strategy="single_device")
+        params = dataclasses.replace(params, train=one)
     metadata = safetensors_metadata(
         {
             "params": dataclasses.asdict(params),

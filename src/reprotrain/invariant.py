@@ -1,0 +1,299 @@
+"""Training whose bits do not depend on the world size, on Lightning's DDP.
+
+Plain DDP gives the same bits only for a fixed world size: each rank's share
+of the data, each rank's random stream and the order in which the all-reduce
+adds gradients all follow the number of processes. In this mode the world
+size decides none of them, so 1, 2, 4 (any power of two that divides the
+number of micro-batches) processes train to identical weights::
+
+    from reprotrain.invariant import MicroBatchSampler, WorldSizeInvariantStrategy
+
+    strategy = WorldSizeInvariantStrategy(micro_batches=4, seed=seed, accelerator="cpu")
+    trainer = L.Trainer(strategy=strategy, devices=devices, num_nodes=nodes,
+                        accumulate_grad_batches=strategy.micro_batches_per_rank(devices * nodes),
+                        use_distributed_sampler=False, ...)
+    loader = DataLoader(data, batch_sampler=MicroBatchSampler(len(data), 64, 16, rank,
+                        world_size, generator), ...)
+
+How: every global batch is ``micro_batches`` micro-batches cut from one
+permutation that every rank draws alike (:class:`MicroBatchSampler`); rank
+``r`` of ``W`` runs micro-batches ``r*k .. r*k+k-1`` (``k = micro_batches /
+W``) as Lightning's gradient accumulation. Before each micro-batch the
+python, numpy and torch generators (CPU and CUDA) are seeded from (seed,
+optimizer step, micro-batch id), and a dataset's per-sample draws take their
+key from the sampler (:func:`sample_rng`), so no draw depends on the rank or
+a DataLoader worker. Each micro-batch's gradient is kept apart; DDP's
+all-reduce is replaced by a communication hook that keeps local gradients,
+and :func:`tree_sum` adds them in one fixed binary tree over micro-batch ids:
+a rank sums its own subtree, the ranks' sums are all-gathered and every rank
+adds the top of the same tree. The additions are those of one process doing
+it all, so the gradient, hence the optimizer step, is the same bits at any
+world size. ``step_loss`` is the mean loss over all micro-batches, by the
+same tree.
+
+Limits: the last partial global batch of an epoch is dropped (every step has
+all its micro-batches); batch norm sees per-micro-batch statistics and its
+running statistics would be rank 0's, so modules that track them are refused;
+precision plugins that scale the loss (``16-mixed``) are untested. The cost:
+micro-batches are smaller kernels than one batch per rank, and the
+all-gather moves ``world_size`` gradients instead of an all-reduce's one
+(``benchmarks/invariant_overhead.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage
+from torch import nn
+from torch.utils.data import Sampler
+
+from reprotrain.distributed import BACKENDS, DDP_OPTIONS
+
+__all__ = [
+    "MicroBatchSampler",
+    "WorldSizeInvariantStrategy",
+    "invariant_layout_problem",
+    "micro_batch_seed",
+    "sample_rng",
+    "tree_sum",
+]
+
+
+def tree_sum(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum by halving: ``sum(lo, hi) = sum(lo, mid) + sum(mid, hi)``, ``mid = lo + (hi-lo)//2``.
+
+    With ``W`` (a power of two) dividing ``len(leaves)``, the tree's nodes
+    include the ``W`` contiguous equal ranges, so summing each range first
+    and then the range sums gives the same additions, bit for bit.
+    """
+
+    def node(lo: int, hi: int) -> torch.Tensor:
+        if hi - lo == 1:
+            return leaves[lo]
+        mid = lo + (hi - lo) // 2
+        return node(lo, mid) + node(mid, hi)
+
+    if not leaves:
+        raise ValueError("tree_sum of nothing")
+    return node(0, len(leaves))
+
+
+def invariant_layout_problem(batch_size: int, micro_batch_size: int, world_size: int) -> str | None:
+    """Why this batch layout cannot be world-size invariant, or ``None`` when it can."""
+    if micro_batch_size < 1 or batch_size % micro_batch_size:
+        return f"micro_batch_size {micro_batch_size} does not divide batch_size {batch_size}"
+    micro_batches = batch_size // micro_batch_size
+    if world_size & (world_size - 1) or micro_batches % world_size:
+        return (
+            f"world size {world_size} is not a power of two that divides the "
+            f"{micro_batches} micro-batches of a batch (batch_size / micro_batch_size)"
+        )
+    return None
+
+
+def micro_batch_seed(seed: int, step: int, micro_batch: int) -> int:
+    """A 63-bit seed for micro-batch ``micro_batch`` of optimizer step ``step``."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{micro_batch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def seed_everything_for(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every CUDA device) from one 63-bit seed."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def sample_rng(key: tuple[int, int]) -> np.random.Generator:
+    """The generator for one sample's random draws (augmentation), from its sampler key."""
+    return np.random.default_rng(list(key))
+
+
+class MicroBatchSampler(Sampler[list[tuple[int, tuple[int, int]]]]):
+    """A batch sampler: this rank's micro-batches of each global batch, the same at any world size.
+
+    Each epoch draws one permutation and one epoch key from ``generator``
+    (every rank's generator must be in the same state, as with a seeded
+    shuffle); global batch ``s`` is ``order[s*B:(s+1)*B]``, micro-batch ``j``
+    its ``j``-th slice of ``micro_batch_size``, and rank ``r`` takes
+    micro-batches ``r*k .. r*k+k-1``. Items are ``(index, key)``: a dataset
+    that draws at random per sample seeds :func:`sample_rng` with ``key``
+    (the epoch key and the sample's position in the epoch's order). The last
+    partial global batch is dropped.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        batch_size: int,
+        micro_batch_size: int,
+        rank: int,
+        world_size: int,
+        generator: torch.Generator,
+    ) -> None:
+        problem = invariant_layout_problem(batch_size, micro_batch_size, world_size)
+        if problem:
+            raise ValueError(problem)
+        if size < batch_size:
+            raise ValueError(f"{size} samples do not fill one batch of {batch_size}")
+        self.size, self.batch_size, self.micro_batch_size = size, batch_size, micro_batch_size
+        self.rank, self.world_size, self.generator = rank, world_size, generator
+        self.per_rank = batch_size // micro_batch_size // world_size
+
+    def __len__(self) -> int:
+        return self.size // self.batch_size * self.per_rank
+
+    def __iter__(self) -> Iterator[list[tuple[int, tuple[int, int]]]]:
+        order = torch.randperm(self.size, generator=self.generator).tolist()
+        epoch_key = int(torch.randint(2**62, (), generator=self.generator))
+        m = self.micro_batch_size
+        for start in range(0, self.size - self.batch_size + 1, self.batch_size):
+            for j in range(self.rank * self.per_rank, (self.rank + 1) * self.per_rank):
+                first = start + j * m
+                yield [(order[p], (epoch_key, p)) for p in range(first, first + m)]
+
+
+def _keep_local_gradients(state, bucket):  # type: ignore[no-untyped-def]
+    """A DDP communication hook that reduces nothing: the strategy adds the gradients itself.
+
+    No annotations: DDP checks them against its classes, and here they would be strings.
+    """
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+class WorldSizeInvariantStrategy(DDPStrategy):
+    """Lightning's DDP with micro-batch gradients added in one fixed tree (see the module doc).
+
+    ``micro_batches`` is the number of micro-batches per optimizer step over
+    all ranks; the Trainer's ``accumulate_grad_batches`` must be
+    :meth:`micro_batches_per_rank` of the world size (checked at setup).
+    """
+
+    def __init__(self, micro_batches: int, seed: int, accelerator: str = "cpu") -> None:
+        super().__init__(process_group_backend=BACKENDS[accelerator], **DDP_OPTIONS)
+        self.micro_batches = micro_batches
+        self.seed = seed
+        self.step_loss: torch.Tensor | None = None
+        self.micro_batch_loss: torch.Tensor | None = None
+        self._grads: list[torch.Tensor] = []
+        self._losses: list[torch.Tensor] = []
+
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers a comm hook on CUDA only; torch's DDP takes one on gloo too.
+        self.model.register_comm_hook(None, _keep_local_gradients)
+
+    def micro_batches_per_rank(self, world_size: int) -> int:
+        problem = invariant_layout_problem(self.micro_batches, 1, world_size)
+        if problem:
+            raise ValueError(problem)
+        return self.micro_batches // world_size
+
+    @property
+    def first_micro_batch(self) -> int:
+        """Micro-batch id of this rank's first micro-batch in each step."""
+        return self.global_rank * (self.micro_batches // self.world_size)
+
+    def setup(self, trainer: Any) -> None:
+        expected = self.micro_batches_per_rank(self.world_size)
+        if trainer.accumulate_grad_batches != expected:
+            raise ValueError(
+                f"accumulate_grad_batches is {trainer.accumulate_grad_batches}; world-size "
+                f"invariant training of {self.micro_batches} micro-batches on {self.world_size} "
+                f"ranks needs {expected}"
+            )
+        tracked = [
+            name
+            for name, m in trainer.lightning_module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+        ]
+        if tracked:
+            raise ValueError(
+                f"{', '.join(tracked)}: batch norm with running statistics is not world-size "
+                "invariant (they would be rank 0's); use track_running_stats=False or GroupNorm"
+            )
+        super().setup(trainer)
+
+    def batch_to_device(
+        self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
+    ) -> Any:
+        # Lightning moves a training batch here just before on_train_batch_start, so every
+        # callback (a trace of the RNG state) already sees the micro-batch's own seed.
+        trainer = self.lightning_module.trainer if self.lightning_module else None
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
+            micro_batch = self.first_micro_batch + len(self._grads)
+            seed_everything_for(micro_batch_seed(self.seed, trainer.global_step, micro_batch))
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if isinstance(loss, torch.Tensor):
+            self.micro_batch_loss = loss.detach().clone()
+        return output
+
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        # Lightning divides the loss by accumulate_grad_batches, which follows the world
+        # size. Multiplying it back in the graph sends exactly 1.0 into the loss's backward
+        # (k * 1 / k is exact for the one scalar), so each micro-batch's gradient is its own.
+        k = self.lightning_module.trainer.accumulate_grad_batches
+        return super().backward(closure_loss * k, optimizer, *args, **kwargs)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        params = self._params()
+        self._grads.append(
+            torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    for p in params
+                ]
+            )
+        )
+        self._losses.append(
+            self.micro_batch_loss if self.micro_batch_loss is not None else torch.zeros(())
+        )
+        for p in params:
+            p.grad = None
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        def closure_then_reduce() -> Any:
+            result = closure()
+            self._reduce()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for p in self.lightning_module.parameters() if p.requires_grad]
+
+    def _reduce(self) -> None:
+        """Put the mean gradient of all micro-batches, tree-added, into every ``p.grad``."""
+        grads, losses = tree_sum(self._grads), torch.stack(self._losses)
+        self._grads, self._losses = [], []
+        if self.world_size > 1:
+            gathered = [torch.empty_like(grads) for _ in range(self.world_size)]
+            dist.all_gather(gathered, grads)
+            grads = tree_sum(gathered)
+            all_losses = [torch.empty_like(losses) for _ in range(self.world_size)]
+            dist.all_gather(all_losses, losses)
+            losses = torch.cat(all_losses)
+        self.step_loss = tree_sum(list(losses)) / self.micro_batches
+        mean = grads / self.micro_batches
+        offset = 0
+        for p in self._params():
+            p.grad = mean[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()

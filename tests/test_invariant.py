@@ -1,0 +1,283 @@
+"""World-size invariant training: the same bits on 1, 2 and 4 processes, on Lightning's DDP.
+
+The unit tests check the two pieces the property rests on (the tree and the
+sampler). The slow ones train for real: a user's own Lightning script
+(tests/scripts/invariant_fit.py) and the pipeline's train stage, at several
+world sizes, a 2 nodes x 2 processes launch, and plain DDP as the negative
+control; and `dvc exp run` at another world size is a cache hit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from reprotrain.hashing import sha256_file
+from reprotrain.invariant import MicroBatchSampler, invariant_layout_problem, tree_sum
+from reprotrain.pipeline.config import ConfigError, load_params
+from tests.helpers import ROOT, cli_env, run_checked, run_cli, train_argv
+
+SCRIPT = ROOT / "tests" / "scripts" / "invariant_fit.py"
+#: What a user's launcher sets before Python starts (hash seed, one thread per rank).
+SCRIPT_ENV = {"PYTHONPATH": str(ROOT / "src"), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+MODE = ("-S", "train.world_size_invariant=true", "-S", "train.max_epochs=2")
+
+
+def _ranks(world: int) -> tuple[str, ...]:
+    strategy = "ddp" if world > 1 else "single_device"
+    return ("-S", f"train.devices={world}", "-S", f"train.strategy={strategy}")
+
+
+# -- the pieces ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("leaves", "world"), [(8, 1), (8, 2), (8, 4), (8, 8), (12, 2), (12, 4)])
+def test_adding_each_ranks_subtree_then_the_ranks_is_the_whole_tree(
+    leaves: int, world: int
+) -> None:
+    values = list(torch.randn(leaves, 1000, generator=torch.Generator().manual_seed(leaves)))
+    per_rank = leaves // world
+    rank_sums = [tree_sum(values[r * per_rank : (r + 1) * per_rank]) for r in range(world)]
+    assert torch.equal(tree_sum(rank_sums), tree_sum(values))
+
+
+def test_adding_in_another_order_changes_the_bits() -> None:
+    # Negative control: what plain DDP does at another world size (another grouping).
+    values = list(torch.randn(8, 1000, generator=torch.Generator().manual_seed(8)))
+    in_sequence = values[0]
+    for v in values[1:]:
+        in_sequence = in_sequence + v
+    assert not torch.equal(in_sequence, tree_sum(values))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_takes_its_slice_of_one_order(world: int) -> None:
+    def batches(rank: int, ranks: int) -> list[list]:
+        sampler = MicroBatchSampler(100, 16, 4, rank, ranks, torch.Generator().manual_seed(3))
+        return list(sampler)
+
+    alone = batches(0, 1)
+    assert len(alone) == 100 // 16 * 4  # the last partial batch is dropped
+    per_rank = [batches(r, world) for r in range(world)]
+    k = 4 // world
+    merged = [mb for step in range(6) for r in range(world) for mb in per_rank[r][step * k :][:k]]
+    assert merged == alone  # indices and draw keys alike
+
+
+def test_one_process_and_micro_batches_of_the_same_size_differ() -> None:
+    # Negative control for the sampler: another micro-batch layout is another order.
+    a = list(MicroBatchSampler(100, 16, 4, 0, 1, torch.Generator().manual_seed(3)))
+    b = list(MicroBatchSampler(100, 16, 4, 0, 1, torch.Generator().manual_seed(4)))
+    assert a != b
+
+
+def test_undoing_lightnings_loss_division_gives_each_micro_batch_its_own_gradient() -> None:
+    x = torch.randn(8, 5, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+
+    def grad(scale: int | None) -> torch.Tensor:
+        w = torch.randn(5, 3, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        loss = F.cross_entropy(x @ w, y)
+        (loss if scale is None else loss / scale * scale).backward()
+        return w.grad
+
+    for k in (1, 2, 3, 5, 6, 7):
+        assert torch.equal(grad(k), grad(None)), k
+
+
+@pytest.mark.parametrize(
+    ("batch", "micro", "world", "says"),
+    [
+        (64, 24, 1, "micro_batch_size 24 does not divide batch_size 64"),
+        (64, 16, 3, "world size 3 is not a power of two"),
+        (64, 16, 8, "world size 8 is not a power of two that divides the 4 micro-batches"),
+    ],
+)
+def test_layouts_that_cannot_be_invariant_are_named(
+    batch: int, micro: int, world: int, says: str
+) -> None:
+    assert says in str(invariant_layout_problem(batch, micro, world))
+    assert invariant_layout_problem(64, 16, 4) is None
+
+
+def test_params_refuse_a_layout_the_mode_cannot_keep(tmp_path: Path) -> None:
+    params = ROOT / "params.yaml"
+    bad = ["train.world_size_invariant=true", "train.strategy=ddp", "train.devices=8"]
+    with pytest.raises(ConfigError, match=r"train.world_size_invariant: world size 8.*set e.g."):
+        load_params(params, bad)
+    with pytest.raises(ConfigError, match="micro_batch_size 48 does not divide batch_size 64"):
+        load_params(params, ["train.world_size_invariant=true", "train.micro_batch_size=48"])
+    assert load_params(params, [*bad[:2], "train.devices=4"]).train.world_size_invariant
+
+
+def test_the_world_size_leaves_the_record_only_in_the_mode() -> None:
+    params = ROOT / "params.yaml"
+    plain = [load_params(params, [f"train.devices={n}", "train.strategy=ddp"]) for n in (1, 2)]
+    assert plain[0].train.process_layout() != plain[1].train.process_layout()
+    mode = [load_params(params, ["train.world_size_invariant=true", *p]) for p in (
+        ["train.devices=1"], ["train.devices=2", "train.strategy=ddp"],
+    )]  # fmt: skip
+    assert mode[0].train.process_layout() == mode[1].train.process_layout()
+
+
+# -- a user's own Lightning script ------------------------------------------------------
+
+
+def _script(out: Path, *args: str, **variables: str) -> Path:
+    env = cli_env(**SCRIPT_ENV, **variables)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), *args], cwd=out.parent, env=env,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_a_lightning_script_trains_to_the_same_bits_on_1_2_and_4_processes(tmp_path: Path) -> None:
+    runs = {n: _script(tmp_path / f"w{n}.safetensors", str(n)) for n in (1, 2, 4)}
+    digests = {n: sha256_file(p) for n, p in runs.items()}
+    assert len(set(digests.values())) == 1, digests
+    losses = {n: json.loads(Path(f"{p}.json").read_text()) for n, p in runs.items()}
+    assert losses[1] == losses[2] == losses[4] and losses[1]["steps"] == 2 * (200 // 32)
+    # Negative control: plain DDP on the same script differs between 1 and 2 processes.
+    plain = [_script(tmp_path / f"plain{n}.safetensors", str(n), "--plain") for n in (1, 2)]
+    assert sha256_file(plain[0]) != sha256_file(plain[1])
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_processes_give_the_bits_of_one_process(tmp_path: Path) -> None:
+    alone = _script(tmp_path / "one.safetensors", "1")
+    out = tmp_path / "nodes.safetensors"
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29400 + os.getpid() % 500)}
+    argv = [sys.executable, str(SCRIPT), str(out), "2", "--num-nodes", "2"]
+    node1 = subprocess.Popen(
+        argv, cwd=tmp_path, env=cli_env(**SCRIPT_ENV, NODE_RANK="1", **env),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _script(out, "2", "--num-nodes", "2", NODE_RANK="0", **env)
+    finally:
+        _, stderr = node1.communicate(timeout=600)
+    assert node1.returncode == 0, stderr[-3000:]
+    assert sha256_file(out) == sha256_file(alone)
+
+
+@pytest.mark.slow
+def test_batch_norm_with_running_statistics_is_refused(tmp_path: Path) -> None:
+    env = cli_env(**SCRIPT_ENV)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path / "bn.safetensors"), "1", "--batchnorm"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "batch norm with running statistics is not world-size invariant" in result.stderr
+    assert not (tmp_path / "bn.safetensors").exists()
+
+
+# -- the pipeline -----------------------------------------------------------------------
+
+
+def _train(prepared: Path, env: Path, out: Path, *overrides: str) -> Path:
+    out.mkdir()
+    result = run_cli(*train_argv(prepared, env, out, *overrides), cwd=out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+PIPELINE_OUTPUTS = (
+    "model.safetensors",
+    "trace.safetensors",
+    "metrics.json",
+    "run.json",
+    "plots/train_loss.csv",
+    "plots/val.csv",
+)
+
+
+@pytest.mark.slow
+def test_the_train_stage_gives_the_same_files_on_1_2_and_4_processes(
+    prepared: Path, env_record: Path, tmp_path: Path
+) -> None:
+    runs = {
+        n: _train(prepared, env_record, tmp_path / f"w{n}", *MODE, *_ranks(n)) for n in (1, 2, 4)
+    }
+    for name in PIPELINE_OUTPUTS:
+        digests = {n: sha256_file(run / name) for n, run in runs.items()}
+        assert len(set(digests.values())) == 1, (name, digests)
+    result = run_cli("compare", runs[1], runs[4], cwd=tmp_path)
+    assert "IDENTICAL" in result.stdout, result.stdout + result.stderr
+    # Negative control: plain DDP at world size 2 differs from one process.
+    plain = _train(
+        prepared, env_record, tmp_path / "plain2", "-S", "train.max_epochs=2", *_ranks(2)
+    )
+    alone = _train(prepared, env_record, tmp_path / "plain1", "-S", "train.max_epochs=2")
+    assert sha256_file(plain / "model.safetensors") != sha256_file(alone / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_dvc_at_another_world_size_is_a_cache_hit_only_in_the_mode(repo_copy: Path) -> None:
+    run_checked("dvc", "exp", "run", "-S", "train.world_size_invariant=true", cwd=repo_copy)
+    model = sha256_file(repo_copy / "models" / "model.safetensors")
+    two = ("-S", "train.devices=2", "-S", "train.strategy=ddp")
+    out = run_checked("dvc", "exp", "run", *two, cwd=repo_copy)
+    assert "Stage 'train' didn't change, skipping" in out, out
+    assert sha256_file(repo_copy / "models" / "model.safetensors") == model
+    # Negative control: outside the mode the world size is in the cache key.
+    out = run_checked(
+        "dvc", "exp", "run", "-S", "train.world_size_invariant=false", "-S",
+        "train.max_epochs=1", *two, cwd=repo_copy,
+    )  # fmt: skip
+    assert "Running stage 'train'" in out, out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_another_world_size_is_refused_clearly(
+    prepared: Path, env_record: Path, tmp_path: Path
+) -> None:
+    from tests.helpers import kill_after_checkpoint
+
+    argv = train_argv(
+        prepared, env_record, tmp_path, *MODE, "-S", "train.max_epochs=3",
+        "-S", "train.checkpoint_every_n_epochs=1", *_ranks(2),
+    )  # fmt: skip
+    kill_after_checkpoint(argv, tmp_path / "ckpt", 0, cwd=tmp_path)
+    argv4 = [a.replace("train.devices=2", "train.devices=4") for a in argv]
+    result = run_cli(*argv4, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "world size" in last and "resume with" in last, last
+    shutil.rmtree(tmp_path / "ckpt")
+
+
+@pytest.mark.slow
+def test_verify_runs_the_recipe_at_two_world_sizes(repo_copy: Path) -> None:
+    short = ("-S", "train.max_epochs=1")
+    result = run_cli(
+        "verify", "--world-sizes", "1", "2", "-S", "train.world_size_invariant=true", *short,
+        cwd=repo_copy,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "reprotrain verify: IDENTICAL (2 runs)" in result.stdout
+    # Negative control: plain DDP at two world sizes is not reproducible, and verify says so.
+    result = run_cli("verify", "--world-sizes", "1", "2", *short, cwd=repo_copy)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "NOT REPRODUCIBLE" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL: one per rank)"
+)
+def test_gpu_one_process_and_two_processes_give_the_same_bits(tmp_path: Path) -> None:
+    one = _script(tmp_path / "gpu1.safetensors", "1", "--gpu")
+    two = _script(tmp_path / "gpu2.safetensors", "2", "--gpu")
+    assert sha256_file(one) == sha256_file(two)
