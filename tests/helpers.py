@@ -40,6 +40,17 @@ def run_cli(*args: str | Path, cwd: Path, **env: str) -> subprocess.CompletedPro
     )
 
 
+#: The files one training writes into a run folder (train_argv), compared byte for byte.
+RUN_OUTPUTS = (
+    "model.safetensors",
+    "trace.safetensors",
+    "metrics.json",
+    "run.json",
+    "plots/train_loss.csv",
+    "plots/val.csv",
+)
+
+
 def train_argv(prepared: Path, env: Path, out: Path, *overrides: str) -> list[str]:
     """`reprotrain train` arguments writing a flat run folder ``out`` (as verify's runs)."""
     return [

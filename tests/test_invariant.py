@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from reprotrain.hashing import sha256_file
 from reprotrain.invariant import MicroBatchSampler, invariant_layout_problem, tree_sum
 from reprotrain.pipeline.config import ConfigError, load_params
-from tests.helpers import ROOT, cli_env, run_checked, run_cli, train_argv
+from tests.helpers import ROOT, RUN_OUTPUTS, cli_env, run_checked, run_cli, train_argv
 
 SCRIPT = ROOT / "tests" / "scripts" / "invariant_fit.py"
 #: What a user's launcher sets before Python starts (hash seed, one thread per rank).
@@ -193,16 +193,6 @@ def _train(prepared: Path, env: Path, out: Path, *overrides: str) -> Path:
     return out
 
 
-PIPELINE_OUTPUTS = (
-    "model.safetensors",
-    "trace.safetensors",
-    "metrics.json",
-    "run.json",
-    "plots/train_loss.csv",
-    "plots/val.csv",
-)
-
-
 @pytest.mark.slow
 def test_the_train_stage_gives_the_same_files_on_1_2_and_4_processes(
     prepared: Path, env_record: Path, tmp_path: Path
@@ -210,7 +200,7 @@ def test_the_train_stage_gives_the_same_files_on_1_2_and_4_processes(
     runs = {
         n: _train(prepared, env_record, tmp_path / f"w{n}", *MODE, *_ranks(n)) for n in (1, 2, 4)
     }
-    for name in PIPELINE_OUTPUTS:
+    for name in RUN_OUTPUTS:
         digests = {n: sha256_file(run / name) for n, run in runs.items()}
         assert len(set(digests.values())) == 1, (name, digests)
     result = run_cli("compare", runs[1], runs[4], cwd=tmp_path)

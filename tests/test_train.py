@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from reprotrain.hashing import fingerprint_state_dict, load_safetensors, sha256_file
-from tests.helpers import run_cli, train_argv
+from tests.helpers import RUN_OUTPUTS, run_cli, train_argv
 
 EPOCHS = "3"
 
@@ -53,15 +53,7 @@ def test_same_seed_gives_identical_weights(runs: dict[str, Path]) -> None:
 
 
 def test_same_seed_gives_identical_output_files(runs: dict[str, Path]) -> None:
-    names = (
-        "model.safetensors",
-        "trace.safetensors",
-        "metrics.json",
-        "run.json",
-        "plots/train_loss.csv",
-        "plots/val.csv",
-    )
-    for name in names:
+    for name in RUN_OUTPUTS:
         assert sha256_file(runs["a"] / name) == sha256_file(runs["b"] / name), name
 
 
