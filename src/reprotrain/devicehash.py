@@ -65,7 +65,7 @@ def _weights(device: torch.device, rows: int) -> tuple[torch.Tensor, ...]:
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's raw bits as a flat int8 tensor (a view when it is contiguous)."""
-    flat = tensor.detach().reshape(-1)
+    flat = tensor.detach().contiguous().reshape(-1)
     return (flat.view(torch.uint8) if flat.dtype == torch.bool else flat).view(torch.int8)
 
 

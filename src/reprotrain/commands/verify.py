@@ -63,6 +63,10 @@ EXIT_DIFFERENT = 1
 
 
 def run(_: object, args: argparse.Namespace) -> int:
+    if args.cmd:
+        from reprotrain.commands._anyscript import verify_script
+
+        return verify_script(args)
     if args.reference is not None:
         return check_reference(args.reference, args.workdir)
     if args.world_sizes is not None and (len(args.world_sizes) < 2 or min(args.world_sizes) < 1):

@@ -184,6 +184,48 @@ def _verify(parser: argparse.ArgumentParser) -> None:
         help="runs trained side by side (default 1: on a small machine they compete for cores)",
     )
     add_override_option(parser, "params override for every run, e.g. -S train.accelerator=gpu")
+    _any_command(parser, "verify")
+    parser.add_argument(
+        "--output",
+        dest="outputs",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="with `-- CMD`: a file the command writes under {out} to compare (default: all)",
+    )
+    parser.add_argument(
+        "--ops-step",
+        type=int,
+        default=0,
+        help="with `-- CMD`: the step to record ops of when no trace names one (default 0)",
+    )
+
+
+def _any_command(parser: argparse.ArgumentParser, verb: str) -> None:
+    """``-- CMD ARGS`` and the start-up pins of ``reprotrain run``."""
+    parser.add_argument(
+        "cmd",
+        nargs=argparse.REMAINDER,
+        help=f"the command to {verb}, after `--`; {{out}} in it becomes the run's own folder",
+    )
+    parser.add_argument(
+        "--cpu-profile",
+        choices=("portable", "native"),
+        help="also pin the CPU kernels (docs/cpu-profile.md); default: leave them",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads with --cpu-profile"
+    )
+
+
+def _run(parser: argparse.ArgumentParser) -> None:
+    _any_command(parser, "run")
+
+
+def _opdiff(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("a", help="recording A: a file or a folder of ops-rank<R>.safetensors")
+    parser.add_argument("b", help="recording B")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def _status(parser: argparse.ArgumentParser) -> None:
@@ -298,6 +340,16 @@ COMMANDS = {
         "name the module whose output or gradient differs between two equal steps",
         _locate,
         True,
+    ),
+    "opdiff": Command(
+        _command("opdiff"),
+        "name the first op two op recordings (any processes or machines) disagree on",
+        _opdiff,
+    ),
+    "run": Command(
+        _command("run"),
+        "run any command with the hash seed, cuBLAS and CPU pins fixed from its start",
+        _run,
     ),
     "noise-floor": Command(
         _command("noise_floor"),

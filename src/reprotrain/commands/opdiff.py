@@ -1,0 +1,34 @@
+"""``reprotrain opdiff A B``: the first op two op recordings disagree on, and why.
+
+A and B are files or folders written by :class:`reprotrain.oprecord.OpRecorder`
+or :func:`reprotrain.oprecord.record_step` (one ``ops-rank<R>.safetensors``
+per rank), from any two processes or machines. Prints the first op whose
+inputs or outputs differ (aten op, phase, step, rank, module, source line)
+and whether the op itself (same inputs, different output) or something
+upstream of it is to blame (:mod:`reprotrain.opalign`).
+
+Exit codes: 0 identical, 1 different, 2 a recording could not be read or the
+two cannot be compared (other model, steps or world size).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from reprotrain.opalign import OpRecordError, compare_recordings
+from reprotrain.pipeline.errors import DataError
+
+PARAMS: tuple[str, ...] = ()
+EXIT_DIFFERENT = 1
+
+
+def run(_: object, args: argparse.Namespace) -> int:
+    try:
+        result = compare_recordings(args.a, args.b)
+    except OpRecordError as err:
+        raise DataError(str(err)) from None
+    if args.json:
+        print(result.to_json(), end="")
+    else:
+        print(f"reprotrain opdiff: {result.to_text()}")
+    return 0 if result.identical else EXIT_DIFFERENT

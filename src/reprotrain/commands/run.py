@@ -1,0 +1,68 @@
+"""``reprotrain run -- CMD ARGS``: start any command with what only works from process start.
+
+Sets ``PYTHONHASHSEED=0`` (Python's str hashing, so set and dict order),
+``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS reads it when its first handle is
+made) and, with ``--cpu-profile``, the profile's ATen ISA, MKL and thread
+variables (:mod:`reprotrain.cpuprofile`), then replaces itself with CMD. A
+user script then needs only ``configure_determinism(...)`` and the
+callbacks; :func:`reprotrain.determinism.reexec_with_fixed_hash_seed` stays
+for scripts that restart themselves instead. Exported values of these
+variables are replaced, and a warning line names each one replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+
+from reprotrain.cpuprofile import CpuProfile
+from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS, FIXED_HASH_SEED
+from reprotrain.pipeline.errors import DataError
+
+PARAMS: tuple[str, ...] = ()
+
+
+def launch_variables(profile: str | None = None, threads: int = 1) -> dict[str, str]:
+    """The variables ``reprotrain run`` fixes, for a CPU ``profile`` (None: leave the CPU be)."""
+    fixed = {
+        "PYTHONHASHSEED": FIXED_HASH_SEED,
+        "CUBLAS_WORKSPACE_CONFIG": CUBLAS_DETERMINISTIC_CONFIGS[0],
+    }
+    if profile is not None:
+        fixed.update(CpuProfile(profile, threads).variables())
+    return fixed
+
+
+def command_of(args: argparse.Namespace, verb: str) -> list[str]:
+    """The command after ``--``; a missing one is a one-line error."""
+    cmd = list(args.cmd or [])
+    if cmd[:1] == ["--"]:
+        cmd = cmd[1:]
+    if not cmd:
+        raise DataError(
+            f"no command given; put it after `--`: reprotrain {verb} -- python train.py"
+        )
+    return cmd
+
+
+def launch_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with the launch variables in place; warns about each exported one replaced."""
+    fixed = launch_variables(args.cpu_profile, args.threads)
+    for name, value in fixed.items():
+        if name in environ and environ[name] != value:
+            print(
+                f"reprotrain: warning: {name}={environ[name]} replaced by {value}", file=sys.stderr
+            )
+    return {**environ, **fixed}
+
+
+def run(_: object, args: argparse.Namespace) -> int:
+    cmd = command_of(args, "run")
+    env = launch_environment(args, os.environ)
+    try:
+        os.execvpe(cmd[0], cmd, env)
+    except OSError as err:
+        raise DataError(f"{cmd[0]}: {err.strerror}; check the command after `--`") from None
+    return 0  # not reached: exec replaced this process

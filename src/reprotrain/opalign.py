@@ -1,0 +1,305 @@
+"""Align two op recordings from separate processes or machines and name the first culprit.
+
+Two recordings (:mod:`reprotrain.oprecord`) of the same steps are walked op by
+op, rank by rank. The first op whose inputs or outputs differ is classified:
+
+- ``kernel``: every input equal, an output differs: the op itself is not
+  deterministic here or runs another code path (thread count, ISA dispatch,
+  atomics); the culprit is this op, at its module and source line.
+- ``inputs``: an input differs that no earlier recorded op made: a parameter
+  (weights from an earlier step or a checkpoint), the batch (data order,
+  augmentation, worker seeding), optimizer state, the RNG state before a
+  random op, a Python value passed to the op, or a tensor made outside torch
+  ops (NumPy, Python lists); the culprit is upstream of the op.
+- ``order``: the input was made by a recorded op whose output matched, but not
+  by the same op in both runs: the same values consumed in another order
+  (Python set or dict iteration under another hash seed).
+- ``sequence``: the call sequences part (an extra or missing op, another
+  branch); both sides' ops at that point are named.
+
+Recordings of different models, different steps or different world sizes, a
+file that is not a recording, and a newer format raise :class:`OpRecordError`
+with one line naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from reprotrain.oprecord import (
+    ALLOCATING,
+    FORMAT,
+    LABELLED,
+    OUTSIDE,
+    PHASES,
+    PYTHON_VALUE,
+    RNG_STATE,
+    VERSION,
+)
+
+__all__ = ["OpDiff", "OpRecordError", "compare_recordings", "load_recordings"]
+
+_COLUMNS = {"ops": 5, "inputs": 4, "outputs": 2}
+_RANK_FILE = re.compile(r"ops-rank(\d+)\.safetensors$")
+_HINTS = {
+    "parameter": "the weights before this step differed (an earlier step, or the checkpoint "
+    "it resumed from)",
+    "buffer": "a buffer differed before this step",
+    "batch": "the batch differed (data order, augmentation, DataLoader worker seeding)",
+    "optimizer state": "optimizer state differed before this step (resume, or an earlier step)",
+}
+
+
+class OpRecordError(ValueError):
+    """A file that cannot be compared as an op recording; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Recording:
+    """One rank's recording, as arrays."""
+
+    path: Path
+    meta: dict[str, Any]
+    ops: np.ndarray
+    inputs: np.ndarray
+    outputs: np.ndarray
+    values: np.ndarray
+
+    def text(self, index: int) -> str:
+        return self.meta["strings"][index] if index >= 0 else "-"
+
+    def op(self, i: int) -> dict[str, Any]:
+        step, phase, name, module, line = (int(x) for x in self.ops[i])
+        return {
+            "index": i,
+            "step": step,
+            "phase": PHASES[phase],
+            "op": self.text(name),
+            "module": self.text(module),
+            "line": self.text(line),
+        }
+
+    def _rows(self, table: np.ndarray, i: int) -> np.ndarray:
+        lo, hi = np.searchsorted(table[:, 0], [i, i + 1])
+        return table[lo:hi]
+
+    def op_inputs(self, i: int) -> np.ndarray:
+        return self._rows(self.inputs, i)
+
+    def op_outputs(self, i: int) -> np.ndarray:
+        return self.values[self._rows(self.outputs, i)[:, 1]]
+
+
+def _load(path: Path) -> Recording:
+    from safetensors import SafetensorError
+
+    from reprotrain.hashing import load_safetensors
+
+    try:
+        tensors, meta = load_safetensors(path)
+    except (OSError, SafetensorError, ValueError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise OpRecordError(
+            f"{path}: not a readable op recording ({detail}); pass a file OpRecorder wrote"
+        ) from None
+    if meta.get("format") != FORMAT or set(tensors) != {*_COLUMNS, "fingerprints"}:
+        raise OpRecordError(f"{path}: not an op recording; pass a file OpRecorder wrote")
+    if int(meta.get("version", 0)) > VERSION:
+        raise OpRecordError(
+            f"{path}: recorded by a newer reprotrain (format version {meta['version']}, this "
+            f"one reads {VERSION}); upgrade reprotrain to compare it"
+        )
+    arrays = {k: v.numpy() for k, v in tensors.items()}
+    for name, width in _COLUMNS.items():
+        if arrays[name].ndim != 2 or arrays[name].shape[1] != width:
+            raise OpRecordError(f"{path}: column {name!r} is damaged; record the run again")
+    return Recording(path, meta, arrays["ops"], arrays["inputs"], arrays["outputs"],
+                     arrays["fingerprints"])  # fmt: skip
+
+
+def load_recordings(where: str | Path) -> dict[int, Recording]:
+    """rank -> recording, from one file or a folder of ``ops-rank<R>.safetensors``."""
+    path = Path(where)
+    if path.is_dir():
+        files = {int(m.group(1)): p for p in path.iterdir() if (m := _RANK_FILE.search(p.name))}
+        if not files:
+            raise OpRecordError(f"{path}: no ops-rank<R>.safetensors in this folder; pass one")
+    elif path.is_file():
+        files = {-1: path}
+    else:
+        raise OpRecordError(f"{path}: not found; pass an op recording or its folder")
+    recordings = {rank: _load(p) for rank, p in sorted(files.items())}
+    return {int(r.meta.get("rank", 0)): r for r in recordings.values()}
+
+
+@dataclass
+class OpDiff:
+    """Where two recordings first differ; ``identical`` when they never do."""
+
+    identical: bool
+    kind: str = "identical"
+    diagnosis: str = "every recorded op has the same inputs and outputs"
+    rank: int | None = None
+    op: dict[str, Any] = field(default_factory=dict)
+    other: dict[str, Any] = field(default_factory=dict)  # B's op, when the sequences part
+    differing_inputs: list[str] = field(default_factory=list)
+    ranks_diverging: list[int] = field(default_factory=list)
+    ops_compared: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_text(self) -> str:
+        if self.identical:
+            return f"op recordings identical ({self.ops_compared} ops)"
+        op = self.op
+        rank = "" if self.rank is None else f", rank {self.rank}"
+        lines = [
+            f"first differing op: {op['op']} ({op['phase']}), step {op['step']}{rank}, "
+            f"op #{op['index']}",
+            f"  module: {op['module']}",
+            f"  source: {op['line']}"
+            + (" (the forward call)" if op["phase"] == "backward" else ""),
+        ]
+        if self.other:
+            lines.append(
+                f"  B ran instead: {self.other['op']} ({self.other['phase']}) in "
+                f"{self.other['module']} at {self.other['line']}"
+            )
+        lines.append(f"  {self.kind}: {self.diagnosis}")
+        lines += [f"  differs: {text}" for text in self.differing_inputs]
+        if len(self.ranks_diverging) > 1:
+            lines.append(f"  ranks diverging: {', '.join(map(str, self.ranks_diverging))}")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+def _check_pair(a: dict[int, Recording], b: dict[int, Recording]) -> None:
+    ra, rb = next(iter(a.values())), next(iter(b.values()))
+    what = f"{ra.path} and {rb.path}"
+    if sorted(a) != sorted(b):
+        raise OpRecordError(f"{what}: ranks {sorted(a)} vs {sorted(b)}; record the same world size")
+    if ra.meta.get("model") != rb.meta.get("model"):
+        raise OpRecordError(
+            f"{what}: different models (parameter shapes {ra.meta.get('model')} vs "
+            f"{rb.meta.get('model')}); record the same model"
+        )
+    if ra.meta.get("steps") != rb.meta.get("steps"):
+        raise OpRecordError(
+            f"{what}: steps {ra.meta.get('steps')} vs {rb.meta.get('steps')}; record the same "
+            f"window (REPROTRAIN_RECORD_OPS)"
+        )
+
+
+def _describe(rec: Recording, row: np.ndarray) -> str:
+    origin, label = int(row[2]), int(row[3])
+    if origin >= 0:
+        producer = rec.op(origin)
+        return f"output of op #{origin} {producer['op']} at {producer['line']}"
+    if origin == LABELLED:
+        text = rec.text(label)
+        hint = next((h for k, h in _HINTS.items() if text.startswith(k)), "")
+        return f"{text}: {hint}" if hint else text
+    return {
+        OUTSIDE: "a tensor made outside torch ops (NumPy, a Python list, torch.from_numpy, "
+        "memory read before it was written)",
+        PYTHON_VALUE: "a Python value passed to the op (a number, size or flag: time, the "
+        "random module, set or dict order)",
+        RNG_STATE: "the random generator's state before this random op (seeding, or another "
+        "number of draws before it)",
+    }[origin]
+
+
+def _allocated(rec: Recording, row: np.ndarray) -> bool:
+    """True when the input is the output of an allocating op (contents never written)."""
+    if row[2] < 0:
+        return False
+    name = rec.op(int(row[2]))["op"]
+    return name.split(".")[1] in ALLOCATING
+
+
+def _signature(rec: Recording, i: int) -> tuple[Any, ...]:
+    step, phase, name, module, _ = (int(x) for x in rec.ops[i])
+    return step, phase, rec.text(name), rec.text(module)
+
+
+def _compare_rank(a: Recording, b: Recording) -> OpDiff | int:
+    """The first difference in one rank's streams, or the number of ops compared."""
+    n = min(len(a.ops), len(b.ops))
+    for i in range(n):
+        if _signature(a, i) != _signature(b, i):
+            return _parted(a, b, i)
+        ins_a, ins_b = a.op_inputs(i), b.op_inputs(i)
+        if len(ins_a) != len(ins_b):
+            return _parted(a, b, i)
+        va, vb = a.values[ins_a[:, 1]], b.values[ins_b[:, 1]]
+        differing = np.nonzero(va != vb)[0]
+        if len(differing):
+            order = [k for k in differing if ins_a[k, 2] >= 0 and ins_a[k, 2] != ins_b[k, 2]]
+            texts = [_describe(a, ins_a[k]) for k in differing]
+            if order and len(order) == len(differing):
+                diagnosis = (
+                    "the inputs were made by recorded ops whose outputs matched, but not by the "
+                    "same ops: the same values consumed in another order (Python set or dict "
+                    "iteration under another hash seed, a sort that is not stable)"
+                )
+                return OpDiff(False, "order", diagnosis, op=a.op(i), differing_inputs=texts)
+            diagnosis = "the inputs already differed; the cause is upstream of this op"
+            return OpDiff(False, "inputs", diagnosis, op=a.op(i), differing_inputs=texts)
+        if not np.array_equal(a.op_outputs(i), b.op_outputs(i)):
+            if unwritten := [_describe(a, row) for row in ins_a if _allocated(a, row)]:
+                diagnosis = (
+                    "same inputs, different output: it reads memory that was allocated and "
+                    "never written (torch.empty, new_empty, empty_like without a fill)"
+                )
+                return OpDiff(False, "uninitialised", diagnosis, op=a.op(i),
+                              differing_inputs=unwritten)  # fmt: skip
+            diagnosis = (
+                "same inputs, different output: this kernel is not deterministic here or took "
+                "another code path (thread count, CPU ISA dispatch, atomics; "
+                "see `reprotrain ops`)"
+            )
+            return OpDiff(False, "kernel", diagnosis, op=a.op(i))
+    if len(a.ops) != len(b.ops):
+        return _parted(a, b, n)
+    return n
+
+
+def _parted(a: Recording, b: Recording, i: int) -> OpDiff:
+    end = {"index": i, "step": "-", "phase": "forward", "op": "(end of recording)",
+           "module": "-", "line": "-"}  # fmt: skip
+    op_a = a.op(i) if i < len(a.ops) else end
+    op_b = b.op(i) if i < len(b.ops) else end
+    diagnosis = (
+        "the call sequences part here: another code path (a branch on data, time or a Python "
+        "set order, another library version)"
+    )
+    return OpDiff(False, "sequence", diagnosis, op=op_a, other=op_b)
+
+
+def compare_recordings(a: str | Path, b: str | Path) -> OpDiff:
+    """Compare two recordings (files or folders of per-rank files) rank by rank."""
+    ranks_a, ranks_b = load_recordings(a), load_recordings(b)
+    _check_pair(ranks_a, ranks_b)
+    found: list[tuple[int, OpDiff]] = []
+    compared = 0
+    for rank in sorted(ranks_a):
+        result = _compare_rank(ranks_a[rank], ranks_b[rank])
+        if isinstance(result, OpDiff):
+            result.rank = rank if len(ranks_a) > 1 else None
+            found.append((rank, result))
+        else:
+            compared += result
+    if not found:
+        return OpDiff(True, ops_compared=compared)
+    first = min(found, key=lambda f: (f[1].op["step"] if f[1].op["step"] != "-" else 1 << 62, f[0]))
+    first[1].ranks_diverging = [rank for rank, _ in found]
+    return first[1]
