@@ -24,7 +24,7 @@ sets; when neither asks for a step they install nothing and cost nothing.
 
 Limits: ops of other threads than the one that runs the step (DataLoader
 workers) are not seen; their effect shows as a differing batch. A recorded
-step runs about 2-3x slower (benchmarks/op_record_overhead.py).
+step is slower (every op is fingerprinted); that cost is not measured yet.
 """
 
 from __future__ import annotations
