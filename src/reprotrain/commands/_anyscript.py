@@ -23,7 +23,6 @@ Exit 0 identical; 1 different (the scratch folders are kept); 2 bad input
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shlex
 import subprocess
@@ -32,7 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from reprotrain.commands.run import command_of, launch_environment
-from reprotrain.hashing import canonical_json, load_safetensors, read_safetensors_metadata
+from reprotrain.hashing import (
+    canonical_json,
+    load_safetensors,
+    read_safetensors_metadata,
+    sha256_file,
+)
 from reprotrain.opalign import OpRecordError, compare_recordings
 from reprotrain.oprecord import DIR_VARIABLE, WINDOW_VARIABLE
 from reprotrain.pipeline.errors import DataError
@@ -43,10 +47,6 @@ from reprotrain.weightdiff import compare_weights
 
 EXIT_DIFFERENT = 1
 OPS_FOLDER = "ops"
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _start(cmd: list[str], folder: Path, index: int, base: dict[str, str], extra: dict) -> None:
@@ -109,9 +109,9 @@ def verify_script(args: argparse.Namespace) -> int:
         paths = [f / name for f in folders]
         if missing := [str(p) for p in paths if not p.is_file()]:
             raise DataError(f"{missing[0]}: the command did not write {name}; fix --output")
-        first = _sha256(paths[0])
+        first = sha256_file(paths[0])
         for other in paths[1:]:
-            if _sha256(other) != first:
+            if sha256_file(other) != first:
                 differing[name] = _tensor_lines(paths[0], other)
                 break
     report["identical"] = not differing
