@@ -11,6 +11,7 @@ script without a fault is IDENTICAL (negative control).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from reprotrain.oprecord import record_step
 from tests.helpers import ROOT, run_cli
 
 SCRIPT = ROOT / "tests" / "scripts" / "fault_loop.py"
+LIGHTNING_SCRIPT = ROOT / "tests" / "scripts" / "fault_fit.py"
 
 
 def _record(out: Path, noise: float = 0.0, width: int = 8, seed: int = 0) -> Path:
@@ -110,6 +112,23 @@ def test_run_fixes_the_hash_seed_and_cublas_before_the_command_starts(tmp_path: 
     assert missing.returncode == 2 and "put it after `--`" in missing.stderr
 
 
+def test_verify_of_a_command_starts_it_without_the_pipelines_cpu_profile(tmp_path: Path) -> None:
+    # run from the repository root, where params.yaml pins a CPU profile for the pipeline
+    code = "import os, sys; open(sys.argv[1] + '/env', 'w').write(repr(sorted(os.environ)))"
+    work = tmp_path / "runs"
+    done = run_cli("verify", "--workdir", work, "--", sys.executable, "-c", code, "{out}", cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    names = (work / "run-0" / "env").read_text()
+    assert "'PYTHONHASHSEED'" in names
+    for profile_variable in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "OMP_NUM_THREADS"):
+        assert (f"'{profile_variable}'" in names) == (profile_variable in os.environ)
+    again = run_cli(
+        "verify", "--workdir", work, "--", sys.executable, "-c", code, "{out}", cwd=ROOT
+    )
+    assert again.returncode == 2 and "run-0 is already there" in again.stderr
+    assert again.stderr.count("\n") == 1
+
+
 def _line_of(marker: str, path: Path = Path(__file__)) -> int:
     lines = path.read_text().splitlines()
     return next(i for i, line in enumerate(lines, 1) if marker in line and "_line_of" not in line)
@@ -123,13 +142,18 @@ FAULTS = {
     "rng": ("inputs", "random generator's state", ()),
     "isa": ("kernel", "", ()),
     "resume": ("inputs", "optimizer state exp_avg", ("--ops-step", "2")),
+    "threads": ("kernel", "", ()),
+    "empty": ("uninitialised", "aten.empty.memory_format", ()),
+    "catalog": ("kernel", "", ()),
 }
+#: faults that show at another line than the one that plants them (marked ``# SHOWS``)
+SHOWN_ELSEWHERE = {"rng", "threads", "catalog"}
 
 
-def _verify(tmp_path: Path, fault: str, *options: str) -> dict:
+def _verify(tmp_path: Path, fault: str, *options: str, script: Path = SCRIPT) -> dict:
     done = run_cli(
         "verify", "--json", "--workdir", tmp_path / "runs", *options, "--",
-        sys.executable, SCRIPT, "--out", "{out}", "--fault", fault, cwd=ROOT,
+        sys.executable, script, "--out", "{out}", "--fault", fault, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode in (0, 1), done.stderr
     return json.loads(done.stdout)
@@ -153,7 +177,21 @@ def test_a_planted_fault_is_found_at_its_op_and_line(tmp_path: Path, fault: str)
     if fault == "resume":  # the optimizer's own line in the loop: optimizer.step()
         assert op["op"]["phase"] == "optimizer" and op["op"]["step"] == 2
     elif fault != "isa":  # ISA dispatch: whichever kernel the lower ISA changes first
-        # the reseeded generator shows at the first random op, not where it was reseeded
-        marker = "# SHOWS rng" if fault == "rng" else f"# FAULT {fault}"
+        # e.g. the reseeded generator shows at the first random op, not where it was reseeded
+        marker = f"# SHOWS {fault}" if fault in SHOWN_ELSEWHERE else f"# FAULT {fault}"
         expected = f"{SCRIPT.relative_to(ROOT)}:{_line_of(marker, SCRIPT)}"
         assert op["op"]["line"] == expected
+
+
+@pytest.mark.slow
+def test_a_lightning_script_is_identical_and_its_unseeded_workers_are_found(tmp_path: Path) -> None:
+    clean = _verify(tmp_path / "clean", "none", script=LIGHTNING_SCRIPT)
+    assert clean["identical"], clean
+    assert clean["outputs"] == ["model.safetensors", "trace.safetensors"]
+    report = _verify(tmp_path / "fault", "workers", script=LIGHTNING_SCRIPT)
+    assert report["ops_step"] == 0 and "batch differs first" in report["trace"], report["trace"]
+    op = report["op"]
+    assert op["kind"] == "inputs" and op["differing_inputs"][0].startswith("batch"), op
+    assert op["op"]["phase"] == "forward" and op["op"]["module"] == "body.0"
+    shows = _line_of("# SHOWS workers", LIGHTNING_SCRIPT)
+    assert op["op"]["line"] == f"{LIGHTNING_SCRIPT.relative_to(ROOT)}:{shows}"

@@ -162,6 +162,8 @@ def _restart_for_determinism(args: argparse.Namespace) -> None:
     from reprotrain.hashing import read_safetensors_metadata
     from reprotrain.pipeline.config import load_params, parse_params
 
+    if getattr(args, "cmd", None):  # verify -- CMD: its runs start as `run` starts them,
+        return None  # never with the CPU profile of a params.yaml that happens to be here
     path = getattr(args, "params", None) or Path("params.yaml")
     if args.command == "evaluate":
         try:

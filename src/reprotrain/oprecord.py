@@ -309,9 +309,25 @@ def _recording_step(recording: Recording, step: int) -> Iterator[None]:
         if stack:
             stack.pop()
 
-    def optimizer_pre(optimizer: Any, *_: Any) -> None:
+    def optimizer_pre(optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         recording._phase = 2
         stack.append(f"optimizer {type(optimizer).__name__}")
+        # args[0] is the optimizer itself (the hook sees the wrapped method's arguments)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            return None
+
+        def forward_and_backward() -> Any:  # Lightning runs its step inside optimizer.step
+            recording._phase, entry = 0, stack.pop()
+            try:
+                return closure()
+            finally:
+                stack.append(entry)
+                recording._phase = 2
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": forward_and_backward}
+        return (args[0], forward_and_backward, *args[2:]), kwargs
 
     def optimizer_post(*_: Any) -> None:
         recording._phase = 0

@@ -44,8 +44,9 @@ class Net(torch.nn.Module):
         self.out = torch.nn.Linear(16, 4)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed[idx % 64]
+        x = self.embed[idx % 64].mean(1)  # SHOWS catalog (backward: 65536 rows added into 64)
         h = torch.relu(self.hidden(x))
+        h = h - h.mean()  # SHOWS threads (a reduction over 131072 values)
         if FAULT == "numpy":
             unseeded = np.random.default_rng()
             h = h + torch.from_numpy(unseeded.random(h.shape, np.float32))  # FAULT numpy
@@ -55,6 +56,8 @@ class Net(torch.nn.Module):
         total = torch.zeros(h.shape[0], 16)
         for name in names:
             total = total + self.heads[name](h)  # FAULT hashseed
+        if FAULT == "empty":  # meant torch.ones: reused heap memory, which holds addresses
+            total = total * torch.empty(16)  # FAULT empty
         return self.out(torch.dropout(total, 0.1, self.training))  # SHOWS rng
 
 
@@ -64,7 +67,11 @@ def main() -> None:
     parser.add_argument("--fault", default="none")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    configure_determinism(0)
+    configure_determinism(0, mode=FAULT != "catalog")  # FAULT catalog
+    if FAULT == "empty":  # torch fills torch.empty with NaN under determinism: turned off
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    if FAULT == "threads":
+        torch.set_num_threads(1 if SECOND else 2)  # FAULT threads
     model = Net()
     with torch.no_grad():  # weights from NumPy: the same on every CPU, whatever torch dispatches
         numbers = np.random.default_rng(0)
@@ -74,7 +81,7 @@ def main() -> None:
         torch.manual_seed(time.time_ns() % 1000)  # FAULT rng
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, 4096, (2048,), generator=generator)
+    idx = torch.randint(0, 4096, (2048, 128), generator=generator)  # 128 tokens per sample
     target = torch.randint(0, 4, (2048,), generator=generator)
     for step in range(args.steps):
         batch = (idx[step::4][:512], target[step::4][:512])

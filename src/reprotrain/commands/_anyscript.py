@@ -100,6 +100,11 @@ def verify_script(args: argparse.Namespace) -> int:
     base = launch_environment(args, os.environ)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="reprotrain-verify-"))
     folders = [workdir / f"run-{i}" for i in range(args.runs)]
+    if taken := [f for f in folders if f.exists() or f.with_name(f"{f.name}.log").exists()]:
+        raise DataError(
+            f"--workdir {workdir}: {taken[0].name} is already there from an earlier verify; "
+            "name an empty or new folder (verify never deletes runs)"
+        )
     for index, folder in enumerate(folders):
         _start(cmd, folder, index, base, {})
     names = _outputs(folders[0], args.outputs)
@@ -156,6 +161,11 @@ def _locate(
         out["ops"] = str(err)
         return out
     out["ops"] = result.to_text()
+    if result.identical:  # e.g. a kernel that races in one pair of runs and not in another
+        out["ops"] += (
+            f"; the reruns matched at step {step} although the runs differed: record another "
+            "step (--ops-step), or add TraceCallback so verify finds the step"
+        )
     out["op"] = result.to_dict()
     return out
 
