@@ -238,3 +238,38 @@ def test_plot_losses_writes_a_png(tmp_path: Path) -> None:
     out = tmp_path / "plots" / "loss.png"
     plot_losses(_synthetic(6), _synthetic(4), out)
     assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+# -- reprotrain compare on any script's files --------------------------------------------
+
+
+def test_compare_takes_the_files_any_script_names(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from tests.helpers import run_cli
+
+    for run, seed in (("a", 0), ("b", 0), ("c", 1)):
+        fit_traced(tmp_path / run / "logs" / "steps.safetensors", seed=seed)
+        weights = {"w": torch.arange(4.0) + (seed * 1e-3 if run == "c" else 0.0)}
+        (tmp_path / run / "out").mkdir()
+        save_file(weights, tmp_path / run / "out" / "final.safetensors")
+    named = ("--model", "out/final.safetensors", "--trace", "logs/steps.safetensors")
+    same = run_cli("compare", "a", "b", *named, cwd=tmp_path)
+    assert same.returncode == 0 and "IDENTICAL" in same.stdout, same.stdout + same.stderr
+    other = run_cli("compare", "a", "c", *named, cwd=tmp_path)
+    assert other.returncode == 1, other.stderr
+    assert "traces diverge at step 0" in other.stdout and "  w       different" in other.stdout
+    # single files: two traces, or two weights files
+    traces = run_cli(
+        "compare", "a/logs/steps.safetensors", "c/logs/steps.safetensors", cwd=tmp_path
+    )
+    assert traces.returncode == 1 and "traces diverge at step 0" in traces.stdout
+    weights = run_cli("compare", "a/out/final.safetensors", "b/out/final.safetensors", cwd=tmp_path)
+    assert weights.returncode == 0, weights.stdout + weights.stderr
+    for bad, says in (
+        (("a/out/final.safetensors", "b/logs/steps.safetensors"), "nothing to compare"),
+        (("a", "b", "--model", "out/nope.safetensors"), "out/nope.safetensors: not found"),
+    ):
+        done = run_cli("compare", *bad, cwd=tmp_path)
+        assert done.returncode == 2 and says in done.stderr, done.stderr
+        assert done.stderr.count("\n") == 1

@@ -14,8 +14,10 @@ import torch
 import yaml
 
 from tests.helpers import ROOT, commit_all, run_cli
+from tests.test_oprecord import _line_of
 
 INJECT = str(ROOT / "tests" / "inject")
+MODEL = ROOT / "src" / "reprotrain" / "pipeline" / "model.py"
 
 
 def _shorten(repo: Path, **train: object) -> None:
@@ -34,7 +36,8 @@ def test_verify_reruns_and_finds_them_identical(repo_copy: Path, tmp_path: Path)
     assert result.stdout.count("IDENTICAL: the same bits") == 2
 
 
-def test_verify_names_the_step_and_record_of_injected_noise(
+@pytest.mark.slow
+def test_verify_names_the_step_record_and_op_of_injected_noise(
     repo_copy: Path, tmp_path: Path
 ) -> None:
     _shorten(repo_copy, trace="full")
@@ -53,6 +56,13 @@ def test_verify_names_the_step_and_record_of_injected_noise(
     assert (trace["first_step"], trace["record"]) == (5, "grads")
     assert "backward" in trace["diagnosis"] and trace["tensor"] == "net.0.weight"
     assert (work / "loss-run-2.png").read_bytes().startswith(b"\x89PNG")
+    # a kernel is blamed: both runs trained again recording step 5's ops, which name the op
+    op = report["comparisons"][0]["ops"]
+    assert op["kind"] == "inputs" and op["op"]["step"] == 5 and op["op"]["phase"] == "backward"
+    assert "random generator's state" in op["differing_inputs"][0]
+    # the noise layer's backward (net.8, after the first Linear), at the line calling the network
+    assert op["op"]["op"].startswith("aten.randn") and op["op"]["module"] == "net.8"
+    assert op["op"]["line"].endswith(f"model.py:{_line_of('return self.net(x)', MODEL)}")
 
     # compare on the kept folders says the same, in words.
     text = run_cli("compare", work / "run-1", work / "run-2", cwd=repo_copy)

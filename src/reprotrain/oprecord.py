@@ -63,6 +63,9 @@ OUTSIDE, PYTHON_VALUE, RNG_STATE, LABELLED = -1, -2, -3, -4
 ALLOCATING = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 _NODE_KEY = "reprotrain.oprecord"
 _LIBRARY_DIR = Path(__file__).resolve().parent
+#: Files whose ops are bookkeeping, not the step's computation: the step trace's fingerprints.
+#: Left out, so a recording does not depend on whether (or how often) a trace ran.
+_BOOKKEEPING = frozenset(str(Path(__file__).parent / n) for n in ("trace.py", "devicehash.py"))
 
 
 def parse_window(text: str) -> tuple[int, int]:
@@ -81,6 +84,15 @@ def _skipped_dirs() -> tuple[str, ...]:
     dirs = [Path(torch.__file__).parent, Path(lightning.__file__).parent]
     dirs.append(Path(sysconfig.get_paths()["stdlib"]))
     return tuple(f"{d.resolve()}{os.sep}" for d in dirs)
+
+
+def _in_bookkeeping() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename in _BOOKKEEPING:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _user_line(skipped: tuple[str, ...], cache: dict[str, bool]) -> str:
@@ -259,7 +271,7 @@ class _Dispatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        if func.namespace == "profiler":  # record_function markers, not computation
+        if func.namespace == "profiler" or _in_bookkeeping():  # markers; the trace's own ops
             return func(*args, **kwargs)
         self.recording.begin(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -305,7 +317,11 @@ def _recording_step(recording: Recording, step: int) -> Iterator[None]:
     def enter(module: torch.nn.Module, _args: Any) -> None:
         stack.append(recording.names.get(id(module), type(module).__name__))
 
-    def leave(module: torch.nn.Module, _args: Any, _out: Any) -> None:
+    def leave(module: torch.nn.Module, _args: Any, out: Any) -> None:
+        # Nodes no torch function made (a custom autograd.Function's) belong to this module.
+        if torch.is_grad_enabled():
+            nodes = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            _tag_new_nodes(nodes, lambda: (recording.module(), recording.where()))
         if stack:
             stack.pop()
 

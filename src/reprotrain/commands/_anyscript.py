@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from reprotrain.commands._rundiff import OPS_FOLDER
 from reprotrain.commands.run import command_of, launch_environment
 from reprotrain.hashing import (
     canonical_json,
@@ -46,7 +47,6 @@ from reprotrain.tracefile import load_trace
 from reprotrain.weightdiff import compare_weights
 
 EXIT_DIFFERENT = 1
-OPS_FOLDER = "ops"
 
 
 def _start(cmd: list[str], folder: Path, index: int, base: dict[str, str], extra: dict) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import subprocess
 import sys
@@ -96,11 +97,13 @@ def train_fresh(
     overrides: list[str],
     command: str,
     jobs: int = 1,
+    env: dict[str, str] | None = None,
 ) -> list[Path]:
     """Train once into each of ``folders``, ``jobs`` fresh processes at a time.
 
     ``train_args`` are the stage's arguments from ``dvc.yaml`` (its data and
-    ``dvc.lock``); ``overrides`` are ``key=value`` params overrides.
+    ``dvc.lock``); ``overrides`` are ``key=value`` params overrides; ``env``
+    variables are added to each run's environment.
     """
     jobs = max(1, jobs)
     for start in range(0, len(folders), jobs):
@@ -112,7 +115,8 @@ def train_fresh(
             print(f"reprotrain {command}: training {folder.name}", file=sys.stderr, flush=True)
             argv = _train_command(train_args, folder, environment, overrides)
             # A run's summary goes to stderr: stdout is for the command's result (and --json).
-            running.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+            extra = None if env is None else {**os.environ, **env}
+            running.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=extra))
         outputs = [process.communicate()[0] for process in running]
         for folder, process, output in zip(batch, running, outputs, strict=True):
             print(output, file=sys.stderr, end="")

@@ -10,7 +10,10 @@ environment record it trained under. ``find_run`` accepts
   ``trace.safetensors``, ``run.json``, ``environment.json``;
 * a git revision of the current repository: the files as committed there,
   the DVC-tracked ones read from the DVC cache (or remote) through
-  ``dvc.api``, so nothing in the working tree changes.
+  ``dvc.api``, so nothing in the working tree changes;
+* any script's outputs: a folder with ``--model``/``--trace`` naming the
+  files inside it, or a single safetensors file (a trace when its metadata
+  says so, else weights).
 
 ``compare_runs`` says "identical" only when the weights and the traces are
 the same bytes; otherwise it explains with the library's comparisons (first
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from reprotrain.atomic import atomic_path
 from reprotrain.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
-from reprotrain.hashing import sha256_file
+from reprotrain.hashing import read_safetensors_metadata, sha256_file
 from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.errors import DataError
 
@@ -47,6 +50,8 @@ FLAT = {
 }
 #: The training metrics file in a flat run folder (final train loss and more).
 METRICS = "train_metrics.json"
+#: The op recordings folder in a run folder (``REPROTRAIN_OPS_DIR`` of a recorded rerun).
+OPS_FOLDER = "ops"
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ class RunFiles:
     """Where one run's files are; ``None`` for a file the run does not have."""
 
     label: str
-    model: Path
+    model: Path | None
     trace: Path | None = None
     record: Path | None = None
     environment: Path | None = None
@@ -137,8 +142,29 @@ def run_at_revision(repo: Path, rev: str, scratch: Path) -> RunFiles:
     return RunFiles(rev, found["model"], *(found.get(name) for name in FLAT if name != "model"))
 
 
-def find_run(spec: str, repo: Path, scratch: Path) -> RunFiles:
-    """A folder (repository or flat run folder) or else a git revision of ``repo``."""
+def named_files(spec: str, model: str | None = None, trace: str | None = None) -> RunFiles:
+    """A single safetensors file, or the files ``model``/``trace`` name inside a folder."""
+    path = Path(spec)
+    if path.is_file():
+        from reprotrain.tracefile import FORMAT
+
+        try:
+            is_trace = read_safetensors_metadata(path).get("format") == FORMAT
+        except (OSError, ValueError) as err:
+            raise DataError(f"{path}: not a readable safetensors file ({err})") from None
+        return RunFiles(spec, None, path) if is_trace else RunFiles(spec, path)
+    named = {name: path / rel for name, rel in (("model", model), ("trace", trace)) if rel}
+    if missing := [str(p) for p in named.values() if not p.is_file()]:
+        raise DataError(f"{missing[0]}: not found; check --model / --trace (paths inside {spec})")
+    return RunFiles(spec, named.get("model"), named.get("trace"))
+
+
+def find_run(
+    spec: str, repo: Path, scratch: Path, model: str | None = None, trace: str | None = None
+) -> RunFiles:
+    """A file, a folder (repository, flat run folder, or named files) or a git revision."""
+    if Path(spec).is_file() or (Path(spec).is_dir() and (model or trace)):
+        return named_files(spec, model, trace)
     if Path(spec).is_dir():
         return run_in_folder(Path(spec), spec)
     if is_revision(repo, spec):
@@ -183,6 +209,9 @@ class RunComparison:
     report: ComparisonReport | None = None
     run_ids: tuple[str | None, str | None] = (None, None)
     notes: list[str] = field(default_factory=list)
+    #: The first differing op, from op recordings of the first diverging step (opalign).
+    ops: dict[str, Any] | None = None
+    ops_text: str | None = None
 
     @property
     def identical(self) -> bool:
@@ -202,6 +231,7 @@ class RunComparison:
             "environment": [{**asdict(d), "voids": d.voids} for d in self.environment],
             "inputs": [asdict(d) for d in self.inputs],
             "guarantee_applies": not any(d.voids for d in self.environment),
+            "ops": self.ops,
             **(self.report.to_dict() if self.report else {}),
         }
 
@@ -220,19 +250,29 @@ class RunComparison:
         lines.append(f"DIFFERENT: {', '.join(unequal)} differ")
         if self.report is not None:
             lines.append(self.report.to_text())
+        if self.ops_text:
+            lines.append(self.ops_text)
         return "\n".join(lines)
 
 
 def compare_runs(a: RunFiles, b: RunFiles, plot: Path | None = None) -> RunComparison:
     """Compare two runs' bytes; load and explain traces and weights only when they differ."""
-    hashes = {"model": (sha256_file(a.model), sha256_file(b.model))}
-    notes = []
+    hashes, notes = {}, []
+    if a.model and b.model:
+        hashes["model"] = (sha256_file(a.model), sha256_file(b.model))
+    elif a.model or b.model:
+        notes.append("only one run has weights: no weights comparison")
     if a.trace and b.trace:
         hashes["trace"] = (sha256_file(a.trace), sha256_file(b.trace))
     elif a.trace or b.trace:
         notes.append("only one run has a trace: no per-step comparison")
     else:
         notes.append("neither run has a trace: no per-step comparison")
+    if not hashes:
+        raise DataError(
+            f"{a.label} and {b.label} hold nothing to compare with each other (weights against "
+            "a trace?): give two weights files, two traces, or two run folders"
+        )
     record_a, record_b = _json(a.record), _json(b.record)
     env_a, env_b = _json(a.environment), _json(b.environment)
     inputs = compare_inputs(record_a.get("inputs", {}), record_b.get("inputs", {}))
@@ -242,7 +282,8 @@ def compare_runs(a: RunFiles, b: RunFiles, plot: Path | None = None) -> RunCompa
     if differ or plot is not None:
         report = _explain(a, b, inputs, environment, differ, plot)
         weights = report.weights
-        if weights and all(d.equal for d in weights) and len(set(hashes["model"])) == 2:
+        model_bytes_differ = len(set(hashes.get("model", ()))) == 2
+        if weights and all(d.equal for d in weights) and model_bytes_differ:
             notes.append("the weights are the same bits; the model files differ in metadata only")
     run_ids = (record_a.get("run_id"), record_b.get("run_id"))
     return RunComparison(a, b, hashes, inputs, environment, report, run_ids, notes)
@@ -266,7 +307,7 @@ def _explain(
     if plot is not None and trace_a and trace_b:
         plot_losses(trace_a, trace_b, plot, labels=("a", "b"))
     weights = []
-    if differ:
+    if differ and a.model and b.model:
         weights = compare_weights(load_safetensors(a.model)[0], load_safetensors(b.model)[0])
     return ComparisonReport(
         trace=compare_traces(trace_a, trace_b) if trace_a and trace_b and differ else None,

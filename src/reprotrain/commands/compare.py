@@ -1,7 +1,11 @@
 """``reprotrain compare A B``: are two training runs the same bits, and if not, why.
 
 A and B are folders (a repository after ``dvc repro``, or a run folder that
-``reprotrain verify`` kept) or git revisions of the current repository. The
+``reprotrain verify`` kept), git revisions of the current repository, or any
+script's outputs: folders with ``--model``/``--trace`` naming the files in
+them, or two safetensors files (weights, or traces). When both folders hold
+op recordings (``ops/``, from :mod:`reprotrain.oprecord`), the first op they
+disagree on is added (:mod:`reprotrain.opalign`). The
 answer is "identical", or the first diverging step and record with its
 diagnosis (batch: data pipeline; RNG: random consumption; gradients with the
 same batch and parameters: a non-deterministic kernel, then run ``reprotrain
@@ -14,10 +18,11 @@ Exit codes: 0 identical, 1 different, 2 a run could not be read.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 from pathlib import Path
 
-from reprotrain.commands._rundiff import compare_runs, find_run
+from reprotrain.commands._rundiff import OPS_FOLDER, compare_runs, find_run
 from reprotrain.hashing import canonical_json
 
 PARAMS: tuple[str, ...] = ()
@@ -26,9 +31,18 @@ EXIT_DIFFERENT = 1
 
 def run(_: object, args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="reprotrain-compare-") as scratch:
-        a = find_run(args.a, args.repo, Path(scratch) / "a")
-        b = find_run(args.b, args.repo, Path(scratch) / "b")
+        a = find_run(args.a, args.repo, Path(scratch) / "a", args.model, args.trace)
+        b = find_run(args.b, args.repo, Path(scratch) / "b", args.model, args.trace)
         result = compare_runs(a, b, plot=args.plot)
+    recordings = [Path(spec) / OPS_FOLDER for spec in (args.a, args.b)]
+    if not result.identical and all(folder.is_dir() for folder in recordings):
+        from reprotrain.opalign import OpRecordError, compare_recordings
+
+        try:
+            found = compare_recordings(*recordings)
+            result = dataclasses.replace(result, ops=found.to_dict(), ops_text=found.to_text())
+        except OpRecordError as err:
+            result = dataclasses.replace(result, ops_text=f"op recordings: {err}")
     if args.json:
         print(canonical_json(result.to_dict()), end="")
     else:

@@ -9,6 +9,13 @@ diverging step, record and diagnosis; weights table) and the run folders
 kept for a closer look. The prepared data comes from ``dvc repro prepare``
 (run first if it is missing).
 
+When the traces blame a kernel (the loss or the gradients differ first, with
+the same batch, RNG state and parameters), verify trains the two runs once
+more with the op recorder on for that step (``REPROTRAIN_RECORD_OPS``, read
+by the train stage's :class:`~reprotrain.oprecord.OpRecorder`) and adds what
+``reprotrain opdiff`` says: the first differing aten op, its module and source
+line. Each recording writes ``<run>-ops/ops/`` beside the run folders.
+
 ``--world-sizes 1 2 4`` trains once per world size instead (``train.devices``,
 ``ddp`` above 1): under ``train.world_size_invariant`` the runs must be
 identical (docs/world-size-invariance.md); outside it they are expected to
@@ -36,6 +43,7 @@ Runs train one after another (``--jobs N``: N side by side, see
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -47,6 +55,7 @@ from typing import Any
 
 from reprotrain.commands._rerun import Workspace, rerun_workspace, train_fresh
 from reprotrain.commands._rundiff import (
+    OPS_FOLDER,
     RunComparison,
     RunFiles,
     compare_runs,
@@ -60,6 +69,8 @@ from reprotrain.pipeline.run_record import load_environment
 
 PARAMS: tuple[str, ...] = ()
 EXIT_DIFFERENT = 1
+#: Trace records whose difference, with the same batch, RNG and weights, blames a kernel.
+KERNEL_RECORDS = ("loss", "grads")
 
 
 def run(_: object, args: argparse.Namespace) -> int:
@@ -100,6 +111,8 @@ def _verify(args: argparse.Namespace, workspace: Workspace) -> int:
     fresh = [run_in_folder(folder, folder.name) for folder in folders]
     first = reference or fresh[0]
     results = [compare_runs(first, other) for other in (fresh[1:] if reference is None else fresh)]
+    if reference is None and not args.world_sizes:
+        results = [_name_the_op(result, args.overrides, workspace) for result in results]
     for result in results:
         if not result.identical and result.a.trace and result.b.trace:
             from reprotrain.trace import load_trace
@@ -109,6 +122,33 @@ def _verify(args: argparse.Namespace, workspace: Workspace) -> int:
             plot_losses(load_trace(result.a.trace), load_trace(result.b.trace), plot)
             result.notes.append(f"loss plot: {plot}")
     return _report(results, workdir, keep=args.workdir is not None, as_json=args.json)
+
+
+def _name_the_op(
+    result: RunComparison, overrides: list[str], workspace: Workspace
+) -> RunComparison:
+    """Record the ops of the step a kernel is blamed at, in both runs again, and align them."""
+    trace = result.report.trace if result.report is not None else None
+    if trace is None or trace.record not in KERNEL_RECORDS or trace.first_step is None:
+        return result
+    from reprotrain.opalign import OpRecordError, compare_recordings  # torch: a kernel is blamed
+    from reprotrain.oprecord import DIR_VARIABLE, WINDOW_VARIABLE
+
+    train_args, workdir, environment, _ = workspace
+    ops = []
+    for label in (result.a.label, result.b.label):
+        folder = workdir / f"{label}-ops"
+        env = {WINDOW_VARIABLE: str(trace.first_step), DIR_VARIABLE: str(folder / OPS_FOLDER)}
+        train_fresh(train_args, [folder], environment, overrides, "verify", env=env)
+        ops.append(folder / OPS_FOLDER)
+    try:
+        found = compare_recordings(ops[0], ops[1])
+    except OpRecordError as err:
+        return dataclasses.replace(result, ops_text=f"op recordings: {err}")
+    text = found.to_text()
+    if found.identical:  # a racing kernel can differ in one pair of runs and not in the next
+        text += f" (step {trace.first_step} matched in these two reruns)"
+    return dataclasses.replace(result, ops=found.to_dict(), ops_text=text)
 
 
 def _committed_run(rev: str, workdir: Path, record: dict[str, Any]) -> RunFiles | None:

@@ -234,8 +234,10 @@ def _status(parser: argparse.ArgumentParser) -> None:
 
 
 def _compare(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("a", help="run A: a folder or a git revision")
-    parser.add_argument("b", help="run B: a folder or a git revision")
+    parser.add_argument("a", help="run A: a folder, a safetensors file or a git revision")
+    parser.add_argument("b", help="run B: a folder, a safetensors file or a git revision")
+    parser.add_argument("--model", help="the weights file inside each folder (any script's)")
+    parser.add_argument("--trace", help="the trace file inside each folder (any script's)")
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
     parser.add_argument("--plot", type=Path, help="write a PNG of both losses and their difference")
     parser.add_argument(

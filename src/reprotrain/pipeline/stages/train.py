@@ -66,6 +66,7 @@ from reprotrain.distributed import (
 )
 from reprotrain.hashing import canonical_json, safetensors_metadata
 from reprotrain.invariant import WorldSizeInvariantStrategy
+from reprotrain.oprecord import OpRecorder
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.curves import CurveCheckpoint, MemoryLogger
 from reprotrain.pipeline.data import PreparedData, PreparedDataModule, load_prepared
@@ -233,7 +234,8 @@ def fit(
     )
     strategy, accumulate = _strategy(params)
     logger = MemoryLogger()
-    callbacks: list[L.Callback] = list(extra_callbacks)
+    # Records ops only when REPROTRAIN_RECORD_OPS names steps (verify sets it); else inert.
+    callbacks: list[L.Callback] = [*extra_callbacks, OpRecorder()]
     if ddp or invariant:
         facts = {"run_id": identity, "resume_from": resume_from and resume_from.name}
         callbacks.append(RankAgreement(facts, strict=settings.mode is True))
