@@ -25,6 +25,7 @@ Fresh runs to compare come from :mod:`reprotrain.commands._rerun`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from dataclasses import asdict, dataclass, field
@@ -253,6 +254,21 @@ class RunComparison:
         if self.ops_text:
             lines.append(self.ops_text)
         return "\n".join(lines)
+
+
+def with_op_diff(result: RunComparison, a: Path, b: Path, matched: str = "") -> RunComparison:
+    """``result`` with opdiff's answer for the recordings ``a`` and ``b`` (imports torch).
+
+    ``matched`` is added to the text when the recordings are identical.
+    """
+    from reprotrain.opalign import OpRecordError, compare_recordings
+
+    try:
+        found = compare_recordings(a, b)
+    except OpRecordError as err:
+        return dataclasses.replace(result, ops_text=f"op recordings: {err}")
+    text = found.to_text() + (matched if found.identical else "")
+    return dataclasses.replace(result, ops=found.to_dict(), ops_text=text)
 
 
 def compare_runs(a: RunFiles, b: RunFiles, plot: Path | None = None) -> RunComparison:

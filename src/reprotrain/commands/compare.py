@@ -18,11 +18,10 @@ Exit codes: 0 identical, 1 different, 2 a run could not be read.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 from pathlib import Path
 
-from reprotrain.commands._rundiff import OPS_FOLDER, compare_runs, find_run
+from reprotrain.commands._rundiff import OPS_FOLDER, compare_runs, find_run, with_op_diff
 from reprotrain.hashing import canonical_json
 
 PARAMS: tuple[str, ...] = ()
@@ -36,13 +35,7 @@ def run(_: object, args: argparse.Namespace) -> int:
         result = compare_runs(a, b, plot=args.plot)
     recordings = [Path(spec) / OPS_FOLDER for spec in (args.a, args.b)]
     if not result.identical and all(folder.is_dir() for folder in recordings):
-        from reprotrain.opalign import OpRecordError, compare_recordings
-
-        try:
-            found = compare_recordings(*recordings)
-            result = dataclasses.replace(result, ops=found.to_dict(), ops_text=found.to_text())
-        except OpRecordError as err:
-            result = dataclasses.replace(result, ops_text=f"op recordings: {err}")
+        result = with_op_diff(result, *recordings)
     if args.json:
         print(canonical_json(result.to_dict()), end="")
     else:

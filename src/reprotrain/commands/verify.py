@@ -43,7 +43,6 @@ Runs train one after another (``--jobs N``: N side by side, see
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -61,6 +60,7 @@ from reprotrain.commands._rundiff import (
     compare_runs,
     find_run,
     run_in_folder,
+    with_op_diff,
 )
 from reprotrain.envdiff import compare_environments
 from reprotrain.hashing import canonical_json
@@ -131,8 +131,7 @@ def _name_the_op(
     trace = result.report.trace if result.report is not None else None
     if trace is None or trace.record not in KERNEL_RECORDS or trace.first_step is None:
         return result
-    from reprotrain.opalign import OpRecordError, compare_recordings  # torch: a kernel is blamed
-    from reprotrain.oprecord import DIR_VARIABLE, WINDOW_VARIABLE
+    from reprotrain.oprecord import DIR_VARIABLE, WINDOW_VARIABLE  # torch: a kernel is blamed
 
     train_args, workdir, environment, _ = workspace
     ops = []
@@ -141,14 +140,8 @@ def _name_the_op(
         env = {WINDOW_VARIABLE: str(trace.first_step), DIR_VARIABLE: str(folder / OPS_FOLDER)}
         train_fresh(train_args, [folder], environment, overrides, "verify", env=env)
         ops.append(folder / OPS_FOLDER)
-    try:
-        found = compare_recordings(ops[0], ops[1])
-    except OpRecordError as err:
-        return dataclasses.replace(result, ops_text=f"op recordings: {err}")
-    text = found.to_text()
-    if found.identical:  # a racing kernel can differ in one pair of runs and not in the next
-        text += f" (step {trace.first_step} matched in these two reruns)"
-    return dataclasses.replace(result, ops=found.to_dict(), ops_text=text)
+    # a racing kernel can differ in one pair of runs and not in the next
+    return with_op_diff(result, *ops, f" (step {trace.first_step} matched in these two reruns)")
 
 
 def _committed_run(rev: str, workdir: Path, record: dict[str, Any]) -> RunFiles | None:
