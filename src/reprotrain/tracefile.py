@@ -19,7 +19,7 @@ from typing import Literal
 
 import numpy as np
 
-from reprotrain.hashing import load_safetensors
+from reprotrain.hashing import load_safetensors, read_safetensors_metadata
 
 Detail = Literal["default", "full"]
 #: Per-row records, in the order a step computes them (and compare checks them).
@@ -73,6 +73,11 @@ class Trace:
             self, **arrays, records=records, world_size=1, initial_params=initial,
             initial_per_rank=(initial,),
         )  # fmt: skip
+
+
+def is_trace_file(path: str | Path) -> bool:
+    """Whether a safetensors file names itself a trace; OSError or ValueError if unreadable."""
+    return read_safetensors_metadata(path).get("format") == FORMAT
 
 
 def load_trace(path: str | Path) -> Trace:

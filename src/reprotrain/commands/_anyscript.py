@@ -35,15 +35,13 @@ from reprotrain.commands.run import command_of, launch_environment
 from reprotrain.hashing import (
     canonical_json,
     load_safetensors,
-    read_safetensors_metadata,
     sha256_file,
 )
 from reprotrain.opalign import OpRecordError, compare_recordings
 from reprotrain.oprecord import DIR_VARIABLE, WINDOW_VARIABLE
 from reprotrain.pipeline.errors import DataError
 from reprotrain.tracediff import compare_traces
-from reprotrain.tracefile import FORMAT as TRACE_FORMAT
-from reprotrain.tracefile import load_trace
+from reprotrain.tracefile import is_trace_file, load_trace
 from reprotrain.weightdiff import compare_weights
 
 EXIT_DIFFERENT = 1
@@ -80,7 +78,7 @@ def _outputs(folder: Path, named: list[str]) -> list[str]:
 
 def _is_trace(path: Path) -> bool:
     try:
-        return read_safetensors_metadata(path).get("format") == TRACE_FORMAT
+        return is_trace_file(path)
     except (OSError, ValueError):
         return False
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from reprotrain.atomic import atomic_path
 from reprotrain.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
-from reprotrain.hashing import read_safetensors_metadata, sha256_file
+from reprotrain.hashing import sha256_file
 from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.errors import DataError
 
@@ -147,10 +147,10 @@ def named_files(spec: str, model: str | None = None, trace: str | None = None) -
     """A single safetensors file, or the files ``model``/``trace`` name inside a folder."""
     path = Path(spec)
     if path.is_file():
-        from reprotrain.tracefile import FORMAT
+        from reprotrain.tracefile import is_trace_file
 
         try:
-            is_trace = read_safetensors_metadata(path).get("format") == FORMAT
+            is_trace = is_trace_file(path)
         except (OSError, ValueError) as err:
             raise DataError(f"{path}: not a readable safetensors file ({err})") from None
         return RunFiles(spec, None, path) if is_trace else RunFiles(spec, path)
