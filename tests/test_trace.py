@@ -7,11 +7,12 @@ step on) and ``fit_traced``, one seeded, deterministic fit with a trace.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,17 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
+from reprotrain import devicehash
 from reprotrain.determinism import configure_determinism
-from reprotrain.devicehash import fingerprint, tensor_bytes
+from reprotrain.devicehash import (
+    bytes_fingerprints,
+    fingerprint,
+    fingerprints,
+    host_bytes,
+    host_fingerprints,
+    tensor_bytes,
+)
+from reprotrain.rngstate import RngDigests, capture_rng, hash_bytes
 from reprotrain.trace import (
     DEFAULT_WEIGHTS_EVERY,
     RECORDS,
@@ -139,9 +149,14 @@ def fit_traced(
     make_model: Callable[[], L.LightningModule] = TinyNet,
     sampler: Sampler[int] | None = None,
     epochs: int = 1,
+    before: Sequence[L.Callback] = (),
+    after: Sequence[L.Callback] = (),
     **trace_options: Any,
 ) -> Path:
-    """One deterministic CPU fit of ``make_model()`` with a TraceCallback writing ``path``."""
+    """One deterministic CPU fit of ``make_model()`` with a TraceCallback writing ``path``.
+
+    ``before`` and ``after``: callbacks that run before and after the trace's.
+    """
     saved_flags = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -166,7 +181,7 @@ def fit_traced(
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[TraceCallback(path, **trace_options)],
+        callbacks=[*before, TraceCallback(path, **trace_options), *after],
         **settings.trainer_flags(),
     )
     try:
@@ -205,7 +220,8 @@ def test_fingerprint_is_position_dependent() -> None:
     assert int(tensor_bytes(swapped).sum()) == int(tensor_bytes(t).sum())
 
 
-@pytest.mark.parametrize("numel", [100, 100_003])  # the batched small path and the matmul path
+# On CPU: numpy on the host, batched (100) and alone (100_003), and the int8 matmul (300_003).
+@pytest.mark.parametrize("numel", [100, 100_003, 300_003])
 def test_fingerprint_does_not_depend_on_reduction_order(numel: int) -> None:
     t = torch.randn(numel, generator=torch.Generator().manual_seed(1))
     whole = int(fingerprint(t))
@@ -247,9 +263,54 @@ def test_rng_state_follows_each_generator() -> None:
     assert rng_states() == after_torch  # reading the states consumes nothing
 
 
+@pytest.mark.parametrize("numel", [0, 1, 1000, 16_384, 16_385, 262_144, 262_145])
+def test_the_host_gives_the_fingerprints_of_the_torch_kernels(numel: int) -> None:
+    # CPU tensors up to 1 MiB are fingerprinted with numpy: the torch kernels, which
+    # other devices run, must give the same values (16_384 floats: 64 KiB; 262_144: 1 MiB).
+    gen = torch.Generator().manual_seed(numel)
+    tensors = [
+        torch.randn(numel, generator=gen),
+        torch.randint(-128, 128, (numel,), generator=gen, dtype=torch.int8),
+        torch.rand(numel, generator=gen) > 0.5,
+    ]
+    data = [tensor_bytes(t) for t in tensors]
+    with devicehash._one_thread():
+        kernels = [int(devicehash._large(d)) & 0xFFFFFFFF for d in data]
+        if all(d.numel() <= devicehash._SMALL_BYTES for d in data):
+            assert (devicehash._small(data, torch.device("cpu")) & 0xFFFFFFFF).tolist() == kernels
+    assert host_fingerprints(tensors) == kernels
+    if numel <= 262_144:
+        assert bytes_fingerprints([host_bytes(t) for t in tensors]) == kernels
+    else:
+        with pytest.raises(ValueError, match="at most 1048576 bytes"):
+            bytes_fingerprints([host_bytes(t) for t in tensors])
+    assert fingerprints(tensors, torch.device("cpu")).tolist() == kernels
+
+
+def test_rng_digests_are_blake2b_of_the_rng_states() -> None:
+    captures = []
+    for step in range(5):
+        if step in (2, 3):
+            random.random()
+        np.random.rand()
+        torch.rand(1)
+        captures.append(capture_rng(captures[-1] if captures else None))
+    digests = RngDigests(("python", "numpy", "torch", "cuda:0"))
+    for captured in captures:
+        states = rng_states(captured)
+        joined = b"".join(name.encode() + b"\0" + state for name, state in states.items())
+        combined = hashlib.blake2b(joined, digest_size=8).digest()
+        own = [hash_bytes(states[name]) for name in ("python", "numpy", "torch")]
+        assert digests(captured) == [int.from_bytes(combined, "little", signed=True), *own, 0]
+    # An unchanged python state is kept once; a changed one is not taken for the old one.
+    python = [captured[0] for captured in captures]  # drawn from before steps 2 and 3
+    assert [python[i] is python[i - 1] for i in range(1, 5)] == [True, False, False, True]
+    assert len({hash_bytes(rng_states(c)["python"]) for c in captures}) == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("numel", [100, 100_003])
+@pytest.mark.parametrize("numel", [100, 100_003, 300_003])
 def test_fingerprint_is_the_same_on_cuda_and_cpu(numel: int) -> None:
     t = torch.randn(numel, generator=torch.Generator().manual_seed(2))
     assert int(fingerprint(t.cuda())) == int(fingerprint(t))
@@ -299,6 +360,37 @@ def test_full_detail_adds_per_tensor_columns_without_changing_the_rest(
     assert full.rng_per_source is not None and full.rng_per_source.shape == (8, 3)
     assert default.grads_per_param is None
     assert compare_traces(default, full).identical
+
+
+class ZeroTheBatch(L.Callback):
+    """Zeroes every training batch in place, at the start or at the end of its step."""
+
+    def __init__(self, at_start: bool) -> None:
+        self.at_start = at_start
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, _: int) -> None:
+        if self.at_start:
+            batch[0].zero_()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: Any, _: Any, batch: Any, i: int
+    ) -> None:
+        if not self.at_start:
+            batch[0].zero_()
+
+
+def test_a_batch_changed_after_its_step_is_traced_as_it_came(
+    same_seed_runs: list[Path], tmp_path: Path
+) -> None:
+    # The trace keeps a copy of a small CPU batch's bytes and fingerprints it later.
+    plain = load_trace(same_seed_runs[0])
+    after = fit_traced(tmp_path / "after.safetensors", after=[ZeroTheBatch(at_start=False)])
+    assert after.read_bytes() == same_seed_runs[0].read_bytes()
+    # Negative control: zeroed before the trace reads it, the batch column shows it.
+    before = load_trace(
+        fit_traced(tmp_path / "before.safetensors", before=[ZeroTheBatch(at_start=True)])
+    )
+    assert (before.records["batch"] != plain.records["batch"]).all()
 
 
 def test_load_trace_refuses_a_file_that_is_not_a_trace(tmp_path: Path) -> None:

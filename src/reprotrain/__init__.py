@@ -5,7 +5,8 @@ The package has three layers; each imports only from the ones above it here:
 * The library, the modules at this level (usable in any Lightning project,
   no pipeline imports): :mod:`~reprotrain.determinism` (``configure_determinism``),
   :mod:`~reprotrain.distributed`, :mod:`~reprotrain.resume`, :mod:`~reprotrain.trace`
-  and :mod:`~reprotrain.tracefile` (per-step fingerprints), the comparisons
+  with :mod:`~reprotrain.tracefile`, :mod:`~reprotrain.tracerows` and
+  :mod:`~reprotrain.rngstate` (per-step fingerprints), the comparisons
   :mod:`~reprotrain.tracediff`, :mod:`~reprotrain.weightdiff`,
   :mod:`~reprotrain.envdiff`, :mod:`~reprotrain.diffreport`,
   :mod:`~reprotrain.modulediff`, and the building blocks

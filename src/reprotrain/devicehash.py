@@ -1,33 +1,57 @@
 """Integer fingerprints of tensor bits, on the tensor's own device, for per-step traces.
 
 A tensor's fingerprint is ``sum(byte[j] * c[j]) mod 2**32`` over its raw
-bytes, ``c[j]`` a fixed odd hash of the position, in integer arithmetic on
-the tensor's own device (int8 matmul on CPU; elsewhere float32, exact because
-every partial sum is an integer below 2**24), so reduction order, thread
-count and device do not change it. Guarantee: the same bits give the same
-fingerprint, on every device; a change within
+bytes, ``c[j]`` a fixed odd hash of the position, in integer arithmetic, so
+reduction order, thread count and device do not change it. Guarantee: the
+same bits give the same fingerprint, on every device; a change within
 one byte always changes it; other changes collide with probability about
 2**-32 (2**-24 for the worst patterns, such as two flipped sign bits).
 
-CPU fingerprints run on one thread, briefly switching torch's global thread
-count. :mod:`reprotrain.trace` records them per training step; for files on
-disk use sha256 (:mod:`reprotrain.hashing`).
+Where it is computed, all giving the same value for the same bits: a CPU
+tensor of up to 1 MiB on the host, in numpy uint32 arithmetic (it wraps mod
+2**32 by definition) and without a torch kernel; a larger CPU tensor by an
+int8 matmul on one torch thread (briefly switching torch's global thread
+count); a tensor on another device there, in float32 (exact: every partial
+sum is an integer below 2**24). :func:`host_bytes` copies a CPU tensor's bits
+and :func:`bytes_fingerprints` fingerprints many such copies at once: a
+trace keeps a small batch's bytes per step and fingerprints them per 64 steps
+(:mod:`reprotrain.trace`). For files on disk use sha256 (:mod:`reprotrain.hashing`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["fingerprint", "fingerprints", "tensor_bytes"]
+__all__ = [
+    "bytes_fingerprints",
+    "fingerprint",
+    "fingerprints",
+    "host_bytes",
+    "host_fingerprints",
+    "tensor_bytes",
+]
 
 _LOW32 = 0xFFFFFFFF
 _BLOCK, _LANES = 1024, 8  # bytes per matmul row; weight columns
 _SMALL_BYTES = 64 * _BLOCK  # tensors up to this size share one batched computation
+_HOST_BYTES = 1024 * _BLOCK  # CPU tensors up to this size are fingerprinted with numpy
 _tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 _groups: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+_host_table: list[np.ndarray] = [np.zeros(0, dtype=np.uint32)]  # c[j] on the host, grown
+_host_groups: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+# dtypes whose tensors .numpy() can read, giving the same bytes as tensor_bytes
+_NUMPY_DTYPES = frozenset(
+    [
+        *(torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64),
+        *(torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128),
+    ]
+)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -87,6 +111,47 @@ def _large(data: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def _host_coefficients(size: int) -> np.ndarray:
+    """The first ``size`` (<= _HOST_BYTES) c[j] of _weights, as uint32 on the host."""
+    table = _host_table[0]
+    if len(table) < size:
+        rows = min(max(-(-size // _BLOCK), 2 * len(table) // _BLOCK, 16), _HOST_BYTES // _BLOCK)
+        w, r, _ = _weights(torch.device("cpu"), rows)
+        # c[m*K + k] = sum_n W[k, n] * R[m, n]: exact in int64 (|W| < 64, |R| < 2**31).
+        c = (r[:rows].to(torch.int64) @ w.to(torch.int64).T).reshape(-1) & _LOW32
+        table = _host_table[0] = c.numpy().astype(np.uint32)
+    return table[:size]
+
+
+def _host_rows(data: np.ndarray) -> list[int]:
+    """Fingerprint of each row of a 2-D int8 array (rows of at most _HOST_BYTES), numpy uint32."""
+    # int8 -> uint32 is the byte mod 2**32, and uint32 products and sums wrap mod 2**32:
+    # the same residue as the device paths' signed sums, in any order. einsum does it in
+    # one pass, without a uint32 copy of the data.
+    table = _host_coefficients(data.shape[1])
+    return np.einsum("ij,j->i", data, table, dtype=np.uint32, casting="unsafe").tolist()
+
+
+def _host_segments(data: list[np.ndarray]) -> list[int]:
+    """Fingerprints of several flat int8 arrays of at most _SMALL_BYTES, in a few numpy calls."""
+    sizes = tuple(d.size for d in data)
+    if (cached := _host_groups.get(sizes)) is None:
+        table = _host_coefficients(max(sizes))
+        # One spare slot at the end keeps every start in range for add.reduceat, which gives
+        # an empty segment its start's element: zeroed below.
+        coefficients = np.concatenate([*(table[:n] for n in sizes), np.zeros(1, np.uint32)])
+        starts = np.cumsum([0, *sizes[:-1]])
+        if len(_host_groups) > 256:  # ever-new shapes must not grow this forever
+            _host_groups.clear()
+        cached = _host_groups[sizes] = (coefficients, starts, np.array(sizes) == 0)
+    coefficients, starts, empty = cached
+    products = np.concatenate([*data, np.zeros(1, np.int8)]).astype(np.uint32)
+    products *= coefficients
+    sums = np.add.reduceat(products, starts, dtype=np.uint32)
+    sums[empty] = 0
+    return sums.tolist()
+
+
 def _small(data: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Unreduced fingerprints of several small byte tensors, in a handful of kernels."""
     sizes = tuple(d.numel() for d in data)
@@ -104,15 +169,95 @@ def _small(data: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return running[bounds].diff()
 
 
-def fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """int64 tensor on ``device``: one fingerprint in ``[0, 2**32)`` per tensor."""
-    if not tensors:
-        return torch.zeros(0, dtype=torch.int64, device=device)
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Torch's CPU kernels on one thread for the block."""
     # One CPU thread reads as fast as memory allows and never waits at a barrier for a
     # core busy elsewhere: two threads were 12x slower on a loaded 2-core machine.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def host_fingerprints(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """One fingerprint in ``[0, 2**32)`` per tensor, as Python ints: the values of fingerprints.
+
+    For CPU tensors of up to 1 MiB no torch kernel runs, only a few numpy
+    calls: what a per-step trace of a small model on CPU wants. A tensor on
+    another device is read there and its value copied back (a synchronisation).
+    """
+    small = [i for i, t in enumerate(tensors) if t.is_cpu and t.nbytes <= _SMALL_BYTES]
+    values = _host_segments([_host_view(tensors[i]) for i in small]) if small else []
+    by_index = dict(zip(small, values, strict=True))
+    return [by_index[i] if i in by_index else _host_one(t) for i, t in enumerate(tensors)]
+
+
+def _host_one(tensor: torch.Tensor) -> int:
+    """The fingerprint of a tensor over 64 KiB, or on another device, as a Python int."""
+    if not tensor.is_cpu:
+        return int(fingerprint(tensor))
+    if tensor.nbytes <= _HOST_BYTES:
+        return _host_rows(_host_view(tensor)[None])[0]
+    with _one_thread():
+        return int(_large(tensor_bytes(tensor))) & _LOW32
+
+
+def _numpy_readable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor.numpy()`` works and holds the bits tensor_bytes reads."""
+    plain = not (tensor.requires_grad or tensor.is_conj() or tensor.is_neg())
+    return plain and tensor.dtype in _NUMPY_DTYPES
+
+
+def _host_view(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's raw bits as a flat int8 numpy array (a view when it is contiguous)."""
+    tensor = tensor.detach()
+    if _numpy_readable(tensor):  # numpy's calls cost less than torch's
+        return np.ascontiguousarray(tensor.numpy()).reshape(-1).view(np.int8)
+    return tensor_bytes(tensor).numpy()
+
+
+def host_bytes(tensor: torch.Tensor) -> bytes:
+    """A copy of a CPU tensor's raw bits (``tensor_bytes``), to fingerprint later."""
+    try:
+        return tensor.numpy().tobytes()  # row-major, as .contiguous(); no torch kernel
+    except (RuntimeError, TypeError):  # requires grad, a conjugate view, bfloat16, ...
+        return tensor_bytes(tensor).numpy().tobytes()
+
+
+def bytes_fingerprints(chunks: Sequence[bytes]) -> list[int]:
+    """The fingerprint of each byte string (of at most 1 MiB), as Python ints.
+
+    The bits of a tensor (:func:`host_bytes`) give its fingerprint. Strings of
+    one length are fingerprinted together in a few numpy calls: a trace keeps a
+    small batch's bytes per step and fingerprints the rows of a flush at once.
+    """
+    by_length: defaultdict[int, list[int]] = defaultdict(list)
+    for index, chunk in enumerate(chunks):
+        by_length[len(chunk)].append(index)
+    values = [0] * len(chunks)
+    by_length.pop(0, None)  # an empty string's fingerprint is 0
+    if max(by_length, default=0) > _HOST_BYTES:
+        raise ValueError(
+            f"bytes_fingerprints takes strings of at most {_HOST_BYTES} bytes, got one of "
+            f"{max(by_length)}: fingerprint such a tensor with fingerprints()"
+        )
+    for length, indices in by_length.items():
+        rows = np.frombuffer(b"".join(chunks[i] for i in indices), np.int8)
+        for index, value in zip(indices, _host_rows(rows.reshape(-1, length)), strict=True):
+            values[index] = value
+    return values
+
+
+def fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """int64 tensor on ``device``: one fingerprint in ``[0, 2**32)`` per tensor."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    if device.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
+        return torch.tensor(host_fingerprints(tensors), dtype=torch.int64)
+    with _one_thread():
         data = [tensor_bytes(t) for t in tensors]
         small = [i for i, d in enumerate(data) if d.numel() <= _SMALL_BYTES and d.device == device]
         parts: dict[int, torch.Tensor] = {}
@@ -120,8 +265,6 @@ def fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -> torch
             parts = dict(zip(small, _small([data[i] for i in small], device).unbind(), strict=True))
         ordered = [parts[i] if i in parts else _large(d).to(device) for i, d in enumerate(data)]
         return torch.stack(ordered) & _LOW32
-    finally:
-        torch.set_num_threads(threads)
 
 
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
