@@ -72,7 +72,7 @@ def test_recordings_of_different_models_are_refused(tmp_path: Path) -> None:
         compare_recordings(_record(tmp_path / "a"), _record(tmp_path / "b", width=9))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "foreign", "newer", "steps", "missing"])
+@pytest.mark.parametrize("damage", ["truncated", "foreign", "newer", "older", "steps", "missing"])
 def test_a_file_that_is_not_a_comparable_recording_is_one_line(tmp_path: Path, damage: str) -> None:
     good = _record(tmp_path / "a")
     bad = tmp_path / "b" / "ops-rank0.safetensors"
@@ -82,6 +82,7 @@ def test_a_file_that_is_not_a_comparable_recording_is_one_line(tmp_path: Path, d
         "truncated": "not a readable op recording",
         "foreign": "not an op recording",
         "newer": "newer reprotrain",
+        "older": "different reprotrain formats",
         "steps": "record the same window",
         "missing": "not found",
     }[damage]
@@ -92,7 +93,7 @@ def test_a_file_that_is_not_a_comparable_recording_is_one_line(tmp_path: Path, d
     elif damage == "missing":
         bad = tmp_path / "nowhere"
     else:
-        meta |= {"version": 99} if damage == "newer" else {"steps": [5]}
+        meta |= {"newer": {"version": 99}, "older": {"version": 1}}.get(damage, {"steps": [5]})
         save_file(tensors, bad, metadata=safetensors_metadata(meta))
     with pytest.raises(OpRecordError, match=expect) as err:
         compare_recordings(good, bad)

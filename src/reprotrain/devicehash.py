@@ -9,8 +9,8 @@ one byte always changes it; other changes collide with probability about
 
 Where it is computed, all giving the same value for the same bits: a CPU
 tensor of up to 1 MiB on the host, in numpy uint32 arithmetic (it wraps mod
-2**32 by definition) and without a torch kernel; a larger CPU tensor by an
-int8 matmul on one torch thread (briefly switching torch's global thread
+2**32 by definition) and without a torch kernel; a larger CPU tensor by a
+float32 matmul in slices on one torch thread (briefly switching torch's global thread
 count); a tensor on another device there, in float32 (exact: every partial
 sum is an integer below 2**24). :func:`host_bytes` copies a CPU tensor's bits
 and :func:`bytes_fingerprints` fingerprints many such copies at once: a
@@ -41,6 +41,7 @@ _LOW32 = 0xFFFFFFFF
 _BLOCK, _LANES = 1024, 8  # bytes per matmul row; weight columns
 _SMALL_BYTES = 64 * _BLOCK  # tensors up to this size share one batched computation
 _HOST_BYTES = 1024 * _BLOCK  # CPU tensors up to this size are fingerprinted with numpy
+_CPU_SLICE_ROWS = 512  # rows of a large CPU tensor converted to float32 at a time
 _tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 _groups: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 _host_table: list[np.ndarray] = [np.zeros(0, dtype=np.uint32)]  # c[j] on the host, grown
@@ -99,9 +100,10 @@ def _large(data: torch.Tensor) -> torch.Tensor:
     w, r, _ = _weights(data.device, rows + 1)
     if rows:
         body = data[: rows * _BLOCK].view(rows, _BLOCK)
+        # |partial sum| <= 1024 * 128 * 63 < 2**24: exact in float32 in any order, even TF32
         if data.device.type == "cpu":
-            sums = torch._int_mm(body, w)  # exact int32: |sum| <= 1024 * 128 * 63
-        else:  # partial sums are integers below 2**24: exact in float32, even TF32
+            sums = _cpu_row_sums(body, w.to(torch.float32))
+        else:
             sums = (body.to(torch.float32) @ w.to(torch.float32)).to(torch.int32)
         total = (sums * r[:rows]).sum(dtype=torch.int64)  # int32 products wrap mod 2**32
     else:
@@ -109,6 +111,20 @@ def _large(data: torch.Tensor) -> torch.Tensor:
     if tail:
         total = total + (data[-tail:, None].to(torch.int64) * w[:tail] * r[rows]).sum()
     return total
+
+
+def _cpu_row_sums(body: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``body @ w`` (int8 rows, float32 weights) as int32, in float32 slices of 2 MiB.
+
+    A float32 GEMM (0.66 GB/s of bytes on one thread here) is 3.6x faster than
+    torch's int8 ``_int_mm`` with 8 columns and gives the same integers.
+    """
+    sums = torch.empty(body.shape[0], w.shape[1], dtype=torch.float32)
+    floats = torch.empty(_CPU_SLICE_ROWS, body.shape[1], dtype=torch.float32)
+    for start in range(0, body.shape[0], _CPU_SLICE_ROWS):
+        part = body[start : start + _CPU_SLICE_ROWS]
+        torch.mm(floats[: len(part)].copy_(part), w, out=sums[start : start + len(part)])
+    return sums.to(torch.int32)
 
 
 def _host_coefficients(size: int) -> np.ndarray:

@@ -187,6 +187,12 @@ def _check_pair(a: dict[int, Recording], b: dict[int, Recording]) -> None:
     what = f"{ra.path} and {rb.path}"
     if sorted(a) != sorted(b):
         raise OpRecordError(f"{what}: ranks {sorted(a)} vs {sorted(b)}; record the same world size")
+    if ra.meta.get("version") != rb.meta.get("version"):
+        raise OpRecordError(
+            f"{what}: recorded by different reprotrain formats (version {ra.meta.get('version')} "
+            f"vs {rb.meta.get('version')}), whose fingerprints do not compare; record both again "
+            f"with one reprotrain"
+        )
     if ra.meta.get("model") != rb.meta.get("model"):
         raise OpRecordError(
             f"{what}: different models (parameter shapes {ra.meta.get('model')} vs "

@@ -3,9 +3,12 @@
 For each step in a window (``steps``, optimizer steps counted from 0 like the
 trace's ``step``), every aten op that runs in forward, backward and the
 optimizer step is recorded: its name, the module that ran it, the user's
-source line, and an integer fingerprint (:mod:`reprotrain.devicehash`,
-computed on the tensor's device, fetched once per step) of every output and
-of every input that no recorded op produced. An input that a recorded op
+source line, and an integer fingerprint of every output and of every input
+that no recorded op produced: CRC-32 of the bytes for a CPU tensor (3.7 GB/s
+on one core here, the memory read being most of it), and on another device
+:mod:`reprotrain.devicehash` computed there and fetched once per step. Both
+runs of a comparison fingerprint a tensor on the same kind of device, so the
+two kinds never meet; the file names them (``hash``). An input that a recorded op
 produced keeps that op's index, so :mod:`reprotrain.opalign` can tell "same
 inputs, different output" (the kernel) from "the inputs already differed"
 (and where they came from: a parameter, the batch, optimizer state, the RNG
@@ -29,14 +32,15 @@ sets; when neither asks for a step they install nothing and cost nothing.
 
 Limits: ops of other threads than the one that runs the step (DataLoader
 workers) are not seen; their effect shows as a differing batch. A recorded
-step is slower (every op is fingerprinted): 8x a plain step for the
-pipeline's network, 39x for a 10M-parameter MLP on one CPU thread
-(``benchmarks/op_record_overhead.py``, docs/any-script.md).
+step is slower, every op being fingerprinted and located: see
+``benchmarks/op_record_overhead.py`` and docs/any-script.md for the cost.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import sys
 import sysconfig
@@ -54,13 +58,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from reprotrain.atomic import atomic_write_safetensors
-from reprotrain.devicehash import fingerprints
+from reprotrain.devicehash import fingerprints, tensor_bytes
 from reprotrain.hashing import safetensors_metadata
 
 __all__ = ["OpRecorder", "Recording", "parse_window", "record_step"]
 
 FORMAT = "reprotrain-ops"
-VERSION = 1
+VERSION = 2  # 2: CPU tensors fingerprinted by CRC-32 (1: devicehash everywhere)
+#: How fingerprints are computed, by the tensor's device (the file's ``hash``).
+HASH = "crc32 on cpu, devicehash elsewhere"
 WINDOW_VARIABLE = "REPROTRAIN_RECORD_OPS"
 DIR_VARIABLE = "REPROTRAIN_OPS_DIR"
 PHASES = ("forward", "backward", "optimizer")
@@ -87,10 +93,15 @@ def parse_window(text: str) -> tuple[int, int]:
     return window
 
 
+@functools.cache
 def _skipped_dirs() -> tuple[str, ...]:
     dirs = [Path(torch.__file__).parent, Path(lightning.__file__).parent]
     dirs.append(Path(sysconfig.get_paths()["stdlib"]))
     return tuple(f"{d.resolve()}{os.sep}" for d in dirs)
+
+
+_skipped_files: dict[str, bool] = {}  # file name -> not the user's (torch, stdlib, ...)
+_shown_lines: dict[tuple[str, int], str] = {}  # (file name, line) -> "file:line" as shown
 
 
 def _in_bookkeeping() -> bool:
@@ -102,24 +113,71 @@ def _in_bookkeeping() -> bool:
     return False
 
 
-def _user_line(skipped: tuple[str, ...], cache: dict[str, bool]) -> str:
+def _user_line() -> str:
     """``file:line`` of the innermost frame outside torch, Lightning, stdlib and this library."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        skip = cache.get(name)
+        skip = _skipped_files.get(name)
         if skip is None:
             path = Path(name).resolve()
-            skip = cache[name] = str(path).startswith(skipped) or path.parent == _LIBRARY_DIR
+            skip = str(path).startswith(_skipped_dirs()) or path.parent == _LIBRARY_DIR
+            _skipped_files[name] = skip
         if not skip:
-            shown = os.path.relpath(name)
-            return f"{name if shown.startswith('..') else shown}:{frame.f_lineno}"
+            where = (name, frame.f_lineno)
+            if (line := _shown_lines.get(where)) is None:
+                shown = os.path.relpath(name)
+                line = f"{name if shown.startswith('..') else shown}:{where[1]}"
+                _shown_lines[where] = line
+            return line
         frame = frame.f_back
     return "?"
 
 
-def _key(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t._version)
+def _key(t: torch.Tensor, version: int | None = None) -> tuple[Any, ...]:
+    """What identifies a tensor's bits while the step runs: its memory, layout and version."""
+    version = t._version if version is None else version
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), version)
+
+
+def _leaves(tree: Any, out: list[Any]) -> list[Any]:
+    """The leaves of an op's arguments (tuples, lists and dicts of them), in order."""
+    if not isinstance(tree, (tuple, list, dict)):
+        out.append(tree)
+        return out
+    for item in tree.values() if isinstance(tree, dict) else tree:
+        if isinstance(item, (tuple, list, dict)):
+            _leaves(item, out)
+        else:
+            out.append(item)
+    return out
+
+
+def _crc(value: str | torch.Tensor) -> int:
+    """CRC-32 of a text, or of a CPU tensor's bits (row-major, as ``tensor_bytes``)."""
+    if isinstance(value, str):
+        return zlib.crc32(value.encode())
+    if value.layout != torch.strided:  # sparse and other layouts: compared by description
+        return zlib.crc32(repr((value.layout, value.shape, value.dtype)).encode())
+    if value.is_contiguous() and not (value.is_conj() or value.is_neg()):
+        # Its bytes in place, read without a torch call: a few microseconds less per tensor.
+        size = value.numel() * value.element_size()
+        return zlib.crc32((ctypes.c_char * size).from_address(value.data_ptr())) if size else 0
+    return zlib.crc32(tensor_bytes(value.resolve_conj().resolve_neg()).numpy())
+
+
+class _OpKind:
+    """What the recorder needs of one aten overload, worked out once."""
+
+    __slots__ = ("allocating", "name", "random", "view", "written")
+
+    def __init__(self, func: Any) -> None:
+        self.name = str(func)
+        self.allocating = func._overloadpacket.__name__ in ALLOCATING
+        self.view = func.is_view
+        self.random = torch.Tag.nondeterministic_seeded in func.tags
+        # Which returns the op writes in place (add_, out=): they leave it one version on.
+        self.written = [bool(r.alias_info and r.alias_info.is_write) for r in func._schema.returns]
 
 
 class Recording:
@@ -134,16 +192,17 @@ class Recording:
         self.inputs: list[tuple[int, int, int, int]] = []  # op, fingerprint, origin, label
         self.outputs: list[tuple[int, int]] = []  # op, fingerprint
         self.steps: list[int] = []
-        self._values: list[torch.Tensor] = []  # fingerprints per op, on the device
-        self._count = 0
+        self._values: list[int] = []  # fingerprints; a device's are filled in at the step's end
+        self._pending: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+        self._kinds: dict[Any, _OpKind] = {}
         self._known: dict[tuple[Any, ...], tuple[int, int, Any]] = {}  # fingerprint, op, ref
         self._labels: dict[tuple[Any, ...], str] = {}
         self._modules: list[str] = []
         self._phase = 0
-        self._allocating = self._view = False
+        self._kind: _OpKind | None = None
+        self._base_version = 0  # a view op's input's version: its output shares the counter
         self.step = -1
-        self._skipped = _skipped_dirs()
-        self._cache: dict[str, bool] = {}
+        self._line: str | None = None  # the user's line of the torch call running now
 
     def text(self, value: str) -> int:
         return self.strings.setdefault(value, len(self.strings))
@@ -155,7 +214,9 @@ class Recording:
 
     # --- called by the modes -------------------------------------------------------------
     def where(self) -> str:
-        return _user_line(self._skipped, self._cache)
+        if self._line is None:
+            self._line = _user_line()
+        return self._line
 
     def module(self) -> str:
         return self._modules[-1] if self._modules else "-"
@@ -165,13 +226,26 @@ class Recording:
         label = self._labels.get(_key(variable)) if isinstance(variable, torch.Tensor) else None
         return f"gradient of {label or 'a leaf tensor'}", "-"
 
-    def _keep(self, values: list[torch.Tensor]) -> int:
-        """Fingerprint ``values`` now (on the first one's device); index of the first."""
-        first = self._count
-        if values:
-            device = values[0].device
-            self._values.append(fingerprints([v.to(device) for v in values], device))
-            self._count += len(values)
+    def _keep(self, values: list[torch.Tensor | int]) -> int:
+        """Fingerprint ``values`` (ints are kept as they are); index of the first.
+
+        A CPU tensor is fingerprinted now, by CRC-32; a tensor on another device there,
+        fetched with the rest of the step's at its end.
+        """
+        first = len(self._values)
+        elsewhere: dict[torch.device, list[torch.Tensor]] = {}
+        for value in values:
+            if isinstance(value, int):
+                self._values.append(value)
+            elif value.is_cpu:
+                self._values.append(_crc(value))
+            else:
+                positions, _ = self._pending.setdefault(value.device, ([], []))
+                positions.append(len(self._values))
+                elsewhere.setdefault(value.device, []).append(value)
+                self._values.append(0)
+        for device, tensors in elsewhere.items():
+            self._pending[device][1].append(fingerprints(tensors, device))
         return first
 
     def begin(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -182,65 +256,83 @@ class Recording:
         if node is not None:
             phase = 1
             module, line = node.metadata.get(_NODE_KEY) or self._accumulation(node)
-        name = str(func)
-        self._allocating = func._overloadpacket.__name__ in ALLOCATING
-        self._view = func.is_view
+        if (kind := self._kinds.get(func)) is None:
+            kind = self._kinds[func] = _OpKind(func)
+        self._kind = kind
+        viewed = args[0] if kind.view and args else None
+        self._base_version = viewed._version if isinstance(viewed, torch.Tensor) else 0
         self.ops.append(
-            (self.step, phase, self.text(name), self.text(module), self.text(line or self.where()))
-        )
-        leaves = tree_flatten((args, kwargs))[0]
-        fresh: list[tuple[torch.Tensor, int, int]] = []
+            (self.step, phase, self.text(kind.name), self.text(module),
+             self.text(line or self.where()))
+        )  # fmt: skip
+        leaves = _leaves(kwargs, _leaves(args, [])) if kwargs else _leaves(args, [])
+        fresh: list[torch.Tensor | int] = []
+        origins: list[tuple[int, int]] = []
         values = []
+        inputs, known_tensors, labels = self.inputs, self._known, self._labels
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 key = _key(leaf)
-                known = self._known.get(key)
+                known = known_tensors.get(key)
                 if known is not None and known[2]() is not None:  # alive: memory not reused
-                    self.inputs.append((index, known[0], known[1], -1))
-                elif (label := self._labels.get(key)) is not None:
-                    fresh.append((leaf.detach(), LABELLED, self.text(label)))
-                else:
-                    fresh.append((leaf.detach(), OUTSIDE, -1))
+                    inputs.append((index, known[0], known[1], -1))
+                    continue
+                fresh.append(leaf)
+                label = labels.get(key)
+                origins.append((OUTSIDE, -1) if label is None else (LABELLED, self.text(label)))
             elif not isinstance(leaf, torch.Generator):  # its repr holds an address
                 values.append(repr(leaf))
         if values:
-            digest = zlib.crc32(" ".join(values).encode())
-            fresh.append((torch.tensor(digest, dtype=torch.int64), PYTHON_VALUE, -1))
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            fresh.append((_generator_state(leaves), RNG_STATE, -1))
-        first = self._keep([t for t, _, _ in fresh])
-        for position, (_, origin, label) in enumerate(fresh):
-            self.inputs.append((index, first + position, origin, label))
+            fresh.append(_crc(" ".join(values)))
+            origins.append((PYTHON_VALUE, -1))
+        if kind.random:
+            fresh.append(_generator_state(leaves))
+            origins.append((RNG_STATE, -1))
+        if fresh:
+            first = self._keep(fresh)
+            for position, (origin, label) in enumerate(origins):
+                inputs.append((index, first + position, origin, label))
 
     def end(self, out: Any) -> None:
         """After the op ran: fingerprint its outputs; later ops reading them link here."""
         index = len(self.ops) - 1
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        kept = outs
-        if self._allocating:  # the bits are whatever the memory held: only the shape counts
-            kept = [torch.tensor(zlib.crc32(repr(t.shape).encode())) for t in outs]
-        elif self._view:  # its bits are its input's, compared already: only the layout counts
-            layouts = [(t.shape, t.stride(), t.storage_offset()) for t in outs]
-            kept = [torch.tensor(zlib.crc32(repr(layout).encode())) for layout in layouts]
+        if isinstance(out, torch.Tensor):
+            outs = [out]
+        else:
+            outs = [t for t in _leaves(out, []) if isinstance(t, torch.Tensor)]
+        kept: list[torch.Tensor | int] = list(outs)
+        if self._kind.allocating:  # the bits are whatever the memory held: only the shape counts
+            kept = [_crc(repr(t.shape)) for t in outs]
+        elif self._kind.view:  # its bits are its input's, compared already: only the layout
+            kept = [_crc(repr((t.shape, t.stride(), t.storage_offset()))) for t in outs]
         first = self._keep(kept)
+        # Versions as later readers see them: the mode runs below the layer that counts
+        # versions, so an in-place op's bump and a view's sharing of its base's counter
+        # have not happened yet.
+        written = self._kind.written if len(self._kind.written) == len(outs) else ()
         for position, t in enumerate(outs):
             self.outputs.append((index, first + position))
-            self._known[_key(t)] = (first + position, index, weakref.ref(t))
+            if self._kind.view:
+                version = self._base_version
+            else:
+                version = t._version + (1 if written and written[position] else 0)
+            self._known[_key(t, version)] = (first + position, index, weakref.ref(t))
 
     def end_step(self) -> None:
-        """Fetch the step's fingerprints from the device in one go."""
-        if self._values:
-            self._values = [torch.cat([v.cpu() for v in self._values])]
+        """Fetch the step's fingerprints from each device in one go."""
+        for positions, tensors in self._pending.values():
+            for position, value in zip(positions, torch.cat(tensors).tolist(), strict=True):
+                self._values[position] = value
+        self._pending.clear()
         if not self.steps or self.steps[-1] != self.step:
             self.steps.append(self.step)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        values = torch.cat([v.cpu() for v in self._values]) if self._values else torch.zeros(0)
         return {
             "ops": torch.tensor(self.ops, dtype=torch.int64).reshape(-1, 5),
             "inputs": torch.tensor(self.inputs, dtype=torch.int64).reshape(-1, 4),
             "outputs": torch.tensor(self.outputs, dtype=torch.int64).reshape(-1, 2),
-            "fingerprints": values.to(torch.int64),
+            "fingerprints": torch.tensor(self._values, dtype=torch.int64),
         }
 
     def write(self, path: str | Path) -> None:
@@ -253,6 +345,7 @@ class Recording:
             "model": self.signature,
             "strings": list(self.strings),
             "torch": torch.__version__,
+            "hash": HASH,
         }
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_safetensors(path, self.tensors(), safetensors_metadata(metadata))
@@ -284,9 +377,11 @@ class _Dispatch(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "profiler" or _in_bookkeeping():  # markers; the trace's own ops
             return func(*args, **kwargs)
-        self.recording.begin(func, args, kwargs)
+        with torch._C.DisableTorchFunction():  # the recorder's own torch calls skip _Lines
+            self.recording.begin(func, args, kwargs)
         out = func(*args, **kwargs)
-        self.recording.end(out)
+        with torch._C.DisableTorchFunction():
+            self.recording.end(out)
         return out
 
 
@@ -298,10 +393,20 @@ class _Lines(TorchFunctionMode):
         self.recording = recording
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
-        out = func(*args, **(kwargs or {}))
-        if torch.is_grad_enabled():
-            nodes = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            _tag_new_nodes(nodes, lambda: (self.recording.module(), self.recording.where()))
+        # One user line per torch call: its aten ops and autograd nodes share it. Ops run
+        # outside any torch call (torch.ops.aten.* called directly) find it unset.
+        recording = self.recording
+        recording._line = None
+        try:
+            out = func(*args, **(kwargs or {}))
+            if torch.is_grad_enabled():
+                if isinstance(out, torch.Tensor):
+                    nodes = [out.grad_fn]
+                else:
+                    nodes = [t.grad_fn for t in _leaves(out, []) if isinstance(t, torch.Tensor)]
+                _tag_new_nodes(nodes, lambda: (recording.module(), recording.where()))
+        finally:
+            recording._line = None
         return out
 
 
@@ -331,7 +436,11 @@ def _recording_step(recording: Recording, step: int) -> Iterator[None]:
     def leave(module: torch.nn.Module, _args: Any, out: Any) -> None:
         # Nodes no torch function made (a custom autograd.Function's) belong to this module.
         if torch.is_grad_enabled():
-            nodes = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            recording._line = None  # a custom autograd.Function's nodes: the module's call
+            if isinstance(out, torch.Tensor):
+                nodes = [out.grad_fn]
+            else:
+                nodes = [t.grad_fn for t in _leaves(out, []) if isinstance(t, torch.Tensor)]
             _tag_new_nodes(nodes, lambda: (recording.module(), recording.where()))
         if stack:
             stack.pop()
