@@ -184,6 +184,17 @@ def test_a_planted_fault_is_found_at_its_op_and_line(tmp_path: Path, fault: str)
         assert op["op"]["line"] == expected
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_index_add_is_found_at_its_op_and_line(tmp_path: Path) -> None:
+    """Determinism off, CUDA's index_add_ adds with atomics: the kernel, at its line."""
+    report = _verify(tmp_path, "cuda")
+    assert not report["identical"]
+    op = report["op"]
+    assert op["kind"] == "kernel" and op["op"]["op"].startswith("aten.index_add"), report["ops"]
+    assert op["op"]["line"] == f"{SCRIPT.relative_to(ROOT)}:{_line_of('# FAULT cuda', SCRIPT)}"
+
+
 @pytest.mark.slow
 def test_a_lightning_script_is_identical_and_its_unseeded_workers_are_found(tmp_path: Path) -> None:
     clean = _verify(tmp_path / "clean", "none", script=LIGHTNING_SCRIPT)

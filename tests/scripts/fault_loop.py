@@ -20,6 +20,7 @@ SECOND = os.environ.get("REPROTRAIN_RUN_INDEX") == "1"
 RESTART = {"hashseed": ("PYTHONHASHSEED", "1"), "isa": ("ATEN_CPU_CAPABILITY", "default")}
 
 FAULT = sys.argv[sys.argv.index("--fault") + 1] if "--fault" in sys.argv else "none"
+DEVICE = "cuda" if FAULT == "cuda" else "cpu"  # the one fault that needs a GPU
 if SECOND and FAULT in RESTART:  # second run: a process started otherwise
     name, value = RESTART[FAULT]
     if os.environ.get(name) != value:
@@ -45,6 +46,10 @@ class Net(torch.nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed[idx % 64].mean(1)  # SHOWS catalog (backward: 65536 rows added into 64)
+        if FAULT == "cuda":  # CUDA adds with atomics: 65536 rows into 64, in a varying order
+            rows, pooled = (idx % 64).flatten(), torch.zeros(64, 32, device=idx.device)
+            pooled = pooled.index_add_(0, rows, self.embed[rows])  # FAULT cuda
+            x = x + pooled.mean(0)
         h = torch.relu(self.hidden(x))
         h = h - h.mean()  # SHOWS threads (a reduction over 131072 values)
         if FAULT == "numpy":
@@ -53,7 +58,7 @@ class Net(torch.nn.Module):
         if FAULT == "time":
             h = h * (1.0 + (time.time() % 1.0) * 1e-3)  # FAULT time
         names = set(BRANCHES) if FAULT == "hashseed" else BRANCHES
-        total = torch.zeros(h.shape[0], 16)
+        total = torch.zeros(h.shape[0], 16, device=h.device)
         for name in names:
             total = total + self.heads[name](h)  # FAULT hashseed
         if FAULT == "empty":  # meant torch.ones: reused heap memory, which holds addresses
@@ -67,7 +72,7 @@ def main() -> None:
     parser.add_argument("--fault", default="none")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    configure_determinism(0, mode=FAULT != "catalog")  # FAULT catalog
+    configure_determinism(0, mode=FAULT not in ("catalog", "cuda"))  # FAULT catalog
     if FAULT == "empty":  # torch fills torch.empty with NaN under determinism: turned off
         torch.utils.deterministic.fill_uninitialized_memory = False
     if FAULT == "threads":
@@ -79,10 +84,12 @@ def main() -> None:
             p.copy_(torch.from_numpy(numbers.standard_normal(p.shape, np.float32)) * 0.1)
     if FAULT == "rng":
         torch.manual_seed(time.time_ns() % 1000)  # FAULT rng
+    model.to(DEVICE)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 4096, (2048, 128), generator=generator)  # 128 tokens per sample
     target = torch.randint(0, 4, (2048,), generator=generator)
+    idx, target = idx.to(DEVICE), target.to(DEVICE)
     for step in range(args.steps):
         batch = (idx[step::4][:512], target[step::4][:512])
         with record_step(model, step, optimizer, batch=batch):
@@ -94,7 +101,7 @@ def main() -> None:
             state = optimizer.state_dict()
             state["state"][0]["exp_avg"].mul_(1.0 + 1e-6)  # FAULT resume
             optimizer.load_state_dict(state)
-    save_file(model.state_dict(), f"{args.out}/model.safetensors")
+    save_file({k: v.cpu() for k, v in model.state_dict().items()}, f"{args.out}/model.safetensors")
 
 
 if __name__ == "__main__":
