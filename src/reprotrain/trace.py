@@ -8,10 +8,11 @@ bits (as float64), and the global step, epoch and batch index. Every
 optimizer step) and the trainable parameters (after it). ``detail="full"``
 traces weights on every row, with a fingerprint per parameter tensor and per
 RNG source, so compare can name the first one that differs. By default only
-every 32nd row traces weights, because a fingerprint reads every byte: on 2
-CPU cores a 10M-parameter MLP's gradients and weights take 10-20 ms, a fifth
-of its step or more (``benchmarks/trace_overhead.py``). A divergence between
-weight rows still shows at once in the next step's loss.
+every 32nd row traces weights, because a fingerprint reads every byte: on one
+CPU thread a 10M-parameter MLP's gradients and weights (80 MB) take about
+130 ms, more than its step; every 32nd row that is 4.2 ms per 100 ms step
+(``benchmarks/trace_overhead.py``). A divergence between weight rows still
+shows at once in the next step's loss.
 
 Fingerprints (:mod:`reprotrain.devicehash`) are exact integer hashes of the
 bits, computed on the tensors' device, kept there until every ``flush_every``
@@ -83,7 +84,7 @@ from reprotrain.tracerows import (
 
 __all__ = ["DEFAULT_WEIGHTS_EVERY", "Trace", "TraceCallback", "load_trace", "rng_states"]
 
-#: ``weights_every`` for ``detail="default"``: keeps a 10M MLP's CPU step within 3%.
+#: ``weights_every`` for ``detail="default"``: a 10M MLP's CPU step pays about 4% for weights.
 DEFAULT_WEIGHTS_EVERY = 32
 _HOST_COLUMNS = ("step", "epoch", "batch_idx", "weights_traced", "rng")
 #: A CPU batch up to this size is kept as bytes and fingerprinted with up to _KEEP_ROWS others.
