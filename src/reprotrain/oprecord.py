@@ -78,7 +78,10 @@ _NODE_KEY = "reprotrain.oprecord"
 _LIBRARY_DIR = Path(__file__).resolve().parent
 #: Files whose ops are bookkeeping, not the step's computation: the step trace's fingerprints.
 #: Left out, so a recording does not depend on whether (or how often) a trace ran.
-_BOOKKEEPING = frozenset(str(Path(__file__).parent / n) for n in ("trace.py", "devicehash.py"))
+_BOOKKEEPING = frozenset(
+    str(Path(__file__).parent / n)
+    for n in ("trace.py", "tracerows.py", "rngstate.py", "devicehash.py")
+)
 
 
 def parse_window(text: str) -> tuple[int, int]:
