@@ -20,13 +20,14 @@ processes on 2 cores add noise that has nothing to do with tracing.
 less (two threads stall at every barrier while the other core is busy).
 Targets: default detail at most 1.02 on the pipeline model, 1.03 on the 10M one.
 
-Measured on the shared 2-core machine with ``--repeats 5 --mlp-steps 0
---threads 1``, the pipeline model at default detail: 0.19-0.28 ms in the
-trace per 9-11 ms step, 1 + hook/off 1.021-1.025, median step ratio
-1.02-1.04 (the code before rows on CPU became Python ints hashed per 64
-rows: 0.82-0.96 ms, 1.069-1.080); full detail 0.53-0.79 ms (3.1 ms before).
-The floor is reading the RNG states (numpy's alone about 0.05 ms) and
-copying the batch. The 10M MLP (``--repeats 5 --threads 1``, a second
+Measured on the shared 2-core machine with ``--repeats 5`` and ``--repeats
+7 --mlp-steps 0 --threads 1``, two runs, the pipeline model at default
+detail: 0.154-0.160 ms in the trace per 9.8 ms step, 1 + hook/off 1.016,
+median step ratio 0.982-1.017, minimum 1.021-1.024 (0.19-0.28 ms, 1.021-1.025
+while the RNG states were read with getstate/get_state; 0.82-0.96 ms,
+1.069-1.080, before rows on CPU became Python ints hashed per 64 rows); full
+detail 0.55 ms (3.1 ms at first). What is left is copying the batch and
+Lightning's hook calls. The 10M MLP (``--repeats 5 --threads 1``, a second
 benchmark beside it): 4.2 ms in hooks per 100 ms step, 1.040 (13.7 ms
 when its weight rows went through torch's int8 matmul at 0.2 GB/s; now a
 float32 GEMM, about 0.6 GB/s), still above the 1.03 target.

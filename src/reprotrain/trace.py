@@ -26,9 +26,10 @@ it captures the RNG states (:mod:`reprotrain.rngstate`), copies a batch of
 up to 64 KiB and reads the loss. Every 64 rows (and at a flush) the captured
 states are hashed and the batches fingerprinted together, where that code
 runs hot. Cost (``benchmarks/trace_overhead.py``, one torch thread on a
-shared 2-core machine): the pipeline's 38k-parameter model pays 0.19-0.27 ms
-per step at default detail, 2.1-2.5% of its 9-11 ms step (0.7-0.8 ms, 7%,
-before this scheme); reading numpy's RNG state alone is about 0.05 ms of it.
+shared 2-core machine): the pipeline's 38k-parameter model pays 0.15-0.16 ms
+per step at default detail, 1.6% of its 9.8 ms step (0.7-0.8 ms, 7%, before
+this scheme; 0.19-0.27 ms while the RNG states were read with the libraries'
+own getters, see :mod:`reprotrain.rngstate`).
 
 Limits: only trainable parameters (as of ``on_fit_start``); no buffers
 (BatchNorm statistics), optimizer state, non-tensor batch items or
