@@ -107,20 +107,16 @@ _skipped_files: dict[str, bool] = {}  # file name -> not the user's (torch, stdl
 _shown_lines: dict[tuple[str, int], str] = {}  # (file name, line) -> "file:line" as shown
 
 
-def _in_bookkeeping() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename in _BOOKKEEPING:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _user_line() -> str:
-    """``file:line`` of the innermost frame outside torch, Lightning, stdlib and this library."""
+    """``file:line`` of the innermost frame outside torch, Lightning, stdlib and this library.
+
+    "" when the call comes from the step trace (a _BOOKKEEPING file on the way out).
+    """
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
+        if name in _BOOKKEEPING:
+            return ""
         skip = _skipped_files.get(name)
         if skip is None:
             path = Path(name).resolve()
@@ -205,7 +201,8 @@ class Recording:
         self._kind: _OpKind | None = None
         self._base_version = 0  # a view op's input's version: its output shares the counter
         self.step = -1
-        self._line: str | None = None  # the user's line of the torch call running now
+        # The user's line of the torch call running now ("": the trace's), None till asked.
+        self._line: str | None = None
 
     def text(self, value: str) -> int:
         return self.strings.setdefault(value, len(self.strings))
@@ -378,8 +375,10 @@ class _Dispatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        if func.namespace == "profiler" or _in_bookkeeping():  # markers; the trace's own ops
+        if func.namespace == "profiler":  # markers
             return func(*args, **kwargs)
+        if torch._C._current_autograd_node() is None and self.recording.where() == "":
+            return func(*args, **kwargs)  # the step trace's own fingerprints
         with torch._C.DisableTorchFunction():  # the recorder's own torch calls skip _Lines
             self.recording.begin(func, args, kwargs)
         out = func(*args, **kwargs)
