@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import random
+import struct
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -403,3 +404,43 @@ def test_load_trace_refuses_a_file_that_is_not_a_trace(tmp_path: Path) -> None:
 def test_trace_callback_rejects_unknown_detail(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="detail"):
         TraceCallback(tmp_path / "t.safetensors", detail="everything")  # type: ignore[arg-type]
+
+
+def test_rng_captures_read_in_place_are_the_libraries_own_states() -> None:
+    """capture_rng reads the generators' structs; every state equals getstate / get_state."""
+    draws = {
+        "nothing": lambda: None,
+        "uniform": np.random.rand,
+        "gaussian cached": np.random.standard_normal,
+        "cached gaussian used": np.random.standard_normal,
+        "reseeded": lambda: np.random.seed(7),
+        "python gauss": lambda: random.gauss(0, 1),
+        "python reseeded": lambda: random.seed(3),
+    }
+    previous = capture_rng()
+    for what, draw in draws.items():
+        draw()
+        captured = capture_rng(previous)
+        assert captured[0] == random.getstate(), what
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        ours = captured[1]
+        assert ours[0] == kind and np.array_equal(ours[1], keys), what
+        assert ours[2:4] == (pos, has_gauss), what
+        assert struct.pack("d", ours[4]) == struct.pack("d", cached), what
+        # the negative control: a draw is never taken for the state before it
+        moved = what not in ("nothing", "python gauss", "python reseeded")
+        assert (ours is not previous[1]) == moved, what
+        previous = captured
+    assert previous[0][2] is None  # random.seed clears the cached python gaussian
+
+
+def test_rng_captures_fall_back_to_the_libraries_where_a_layout_is_unknown(monkeypatch) -> None:
+    from reprotrain import rngstate
+
+    monkeypatch.setattr(rngstate, "_gauss_offset", lambda: None)
+    monkeypatch.setattr(rngstate, "_python_layout_known", lambda generator: False)
+    np.random.standard_normal()
+    captured = capture_rng()
+    assert captured[0] == random.getstate()
+    assert rng_states(captured)["numpy"] == rng_states(capture_rng())["numpy"]
+    assert captured[1][3] == np.random.get_state(legacy=True)[3] == 1
