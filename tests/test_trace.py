@@ -434,7 +434,9 @@ def test_rng_captures_read_in_place_are_the_libraries_own_states() -> None:
     assert previous[0][2] is None  # random.seed clears the cached python gaussian
 
 
-def test_rng_captures_fall_back_to_the_libraries_where_a_layout_is_unknown(monkeypatch) -> None:
+def test_rng_captures_fall_back_to_the_libraries_where_a_layout_is_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from reprotrain import rngstate
 
     monkeypatch.setattr(rngstate, "_gauss_offset", lambda: None)
