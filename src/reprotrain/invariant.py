@@ -31,7 +31,7 @@ gradients by :func:`tree_sum` (one fixed binary tree over micro-batch ids:
 the rank's subtree), all-gathers the ranks' subtree sums and adds the top
 of the same tree on every rank. The additions are those of one process
 doing it all, so the gradient, hence the optimizer step, is the same bits
-at any world size. ``step_loss`` is the mean loss over all
+at any world size. :func:`step_loss` is the mean loss over all
 micro-batches, by the same tree.
 
 Limits: the last partial global batch of an epoch is dropped (every step has
@@ -66,6 +66,7 @@ __all__ = [
     "invariant_layout_problem",
     "micro_batch_seed",
     "sample_rng",
+    "step_loss",
     "tree_sum",
 ]
 
@@ -333,3 +334,14 @@ class WorldSizeInvariantStrategy(DDPStrategy):
 
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.lightning_module.parameters() if p.requires_grad]
+
+
+def step_loss(trainer: Any) -> torch.Tensor | None:
+    """The latest optimizer step's loss in this mode, or ``None`` outside it.
+
+    The mean of all micro-batches' losses (every rank's), added by the tree:
+    the same bits at any world size. Set once the step's last backward ran
+    (``on_before_optimizer_step`` and later).
+    """
+    strategy = trainer.strategy
+    return strategy.step_loss if isinstance(strategy, WorldSizeInvariantStrategy) else None
