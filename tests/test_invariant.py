@@ -49,6 +49,15 @@ def test_adding_each_ranks_subtree_then_the_ranks_is_the_whole_tree(
     assert torch.equal(tree_sum(rank_sums), tree_sum(values))
 
 
+def test_the_top_addition_may_write_into_one_of_its_leaves() -> None:
+    # The hook adds a rank's micro-batches into DDP's bucket, which holds the last of them.
+    for leaves in (2, 3, 5, 8):
+        values = list(torch.randn(leaves, 1000, generator=torch.Generator().manual_seed(leaves)))
+        bucket = values[-1].clone()
+        assert tree_sum([*values[:-1], bucket], out=bucket) is bucket
+        assert torch.equal(bucket, tree_sum(values)), leaves
+
+
 def test_adding_in_another_order_changes_the_bits() -> None:
     # Negative control: what plain DDP does at another world size (another grouping).
     values = list(torch.randn(8, 1000, generator=torch.Generator().manual_seed(8)))

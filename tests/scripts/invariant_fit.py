@@ -25,7 +25,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from reprotrain.determinism import configure_determinism
 from reprotrain.distributed import ddp_strategy
-from reprotrain.invariant import MicroBatchSampler, WorldSizeInvariantStrategy, sample_rng
+from reprotrain.invariant import (
+    MicroBatchSampler,
+    WorldSizeInvariantStrategy,
+    sample_rng,
+    step_loss,
+)
 
 BATCH, MICRO, SEED = 32, 4, 7
 
@@ -60,7 +65,7 @@ class Mlp(L.LightningModule):
         return F.cross_entropy(self.net(x), y)
 
     def on_before_optimizer_step(self, optimizer) -> None:  # type: ignore[no-untyped-def]
-        loss = getattr(self.trainer.strategy, "step_loss", None)
+        loss = step_loss(self.trainer)
         if loss is not None:
             self.losses.append(float(loss))
 

@@ -17,6 +17,8 @@ import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
+from reprotrain.invariant import step_loss
+
 
 class MemoryLogger(Logger):
     """Collects logged scalars; ``rows(name)`` returns ``[(step, value), ...]``."""
@@ -67,9 +69,9 @@ class CurveCheckpoint(L.Callback):
         if not (isinstance(outputs, Mapping) and "loss" in outputs):
             return
         loss = outputs["loss"].detach().clone()
-        step_loss = getattr(trainer.strategy, "step_loss", None)  # world-size invariant mode
-        if step_loss is not None:
-            loss = step_loss
+        invariant_loss = step_loss(trainer)  # world-size invariant mode
+        if invariant_loss is not None:
+            loss = invariant_loss
         elif trainer.world_size > 1:  # the ranks' mean, as `self.log(..., sync_dist=True)` takes it
             torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.SUM)
             loss = loss / trainer.world_size

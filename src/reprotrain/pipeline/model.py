@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from reprotrain.invariant import step_loss
 from reprotrain.pipeline.config import ModelConfig, TrainConfig
 
 
@@ -61,9 +62,9 @@ class Classifier(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.train_config.world_size_invariant:  # every micro-batch's loss, tree-averaged
-            step_loss = self.trainer.strategy.step_loss  # type: ignore[attr-defined]
-            self.log("train_loss", step_loss, on_step=True, on_epoch=False)
+        loss = step_loss(self.trainer)  # world-size invariant: every micro-batch's, tree-averaged
+        if loss is not None:
+            self.log("train_loss", loss, on_step=True, on_epoch=False)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
         x, y = batch

@@ -143,12 +143,15 @@ def stage_inputs(
     cfg = params.train
     if cfg.strategy == "ddp":
         set_threads_per_rank(cfg.devices)
-    layout = process_layout(params)
-    return run_inputs(__name__, params, PARAMS, data, environment, dvc_lock, settings, layout)
+    distributed = distributed_run_input(params)
+    return run_inputs(__name__, params, PARAMS, data, environment, dvc_lock, settings, distributed)
 
 
-def process_layout(params: Params) -> dict:
-    """What of the process layout decides the bits: the world size, unless in invariant mode."""
+def distributed_run_input(params: Params) -> dict:
+    """What of the process layout decides the bits: the run inputs' ``distributed`` entry.
+
+    The world size, backend and DDP options; in invariant mode only the mode and backend.
+    """
     cfg = params.train
     if cfg.world_size_invariant:
         return {"strategy": "world_size_invariant", "backend": BACKENDS[cfg.accelerator]}
