@@ -67,6 +67,21 @@ def test_weights_that_differed_before_the_step_are_blamed_upstream(tmp_path: Pat
     assert result.differing_inputs[0].startswith("parameter ")
 
 
+def test_a_parameter_read_again_in_a_step_is_hashed_once_and_backward_ops_get_forward_lines(
+    tmp_path: Path,
+) -> None:
+    tensors, meta = load_safetensors(_record(tmp_path / "a", noise=1e-3))
+    strings, ops = meta["strings"], tensors["ops"].tolist()
+    rows = [r for r in tensors["inputs"].tolist() if r[3] >= 0]
+    weight = [r for r in rows if strings[r[3]] == "parameter 0.weight"]
+    # Read by the forward's transpose and by SGD's in-place update: one fingerprint.
+    assert len(weight) >= 2 and len({r[1] for r in weight}) == 1
+    # Backward ops carry the lines of the forward calls that made their nodes (named by
+    # number as autograd made them): the loss's and the model's.
+    backward = {strings[op[4]].rpartition(":")[2] for op in ops if op[1] == 1}
+    assert {str(_line_of("cross_entropy(h, y)")), str(_line_of("h = model(x)"))} <= backward
+
+
 def test_recordings_of_different_models_are_refused(tmp_path: Path) -> None:
     with pytest.raises(OpRecordError, match="different models"):
         compare_recordings(_record(tmp_path / "a"), _record(tmp_path / "b", width=9))

@@ -20,11 +20,14 @@ from typing import Any
 
 
 @contextlib.contextmanager
-def atomic_path(final: str | Path) -> Iterator[Path]:
+def atomic_path(final: str | Path, sync: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside ``final``; on success, move it into place.
 
     For writers that insist on a path (``safetensors.save_file``). On an
     exception the temporary file is removed and ``final`` is untouched.
+    ``sync=False`` skips the fsync: a crash of the process still leaves the
+    old file or the new one, but a power loss may leave an empty file. Only
+    for files that are made again by rerunning (a diagnostic recording).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -33,8 +36,9 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
     tmp = Path(tmp_name)
     try:
         yield tmp
-        with tmp.open("rb") as handle:
-            os.fsync(handle.fileno())
+        if sync:
+            with tmp.open("rb") as handle:
+                os.fsync(handle.fileno())
         tmp.chmod(0o644)
         tmp.replace(final)
     except OSError as err:
@@ -45,9 +49,9 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def atomic_write_bytes(final: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``final`` atomically."""
-    with atomic_path(final) as tmp:
+def atomic_write_bytes(final: str | Path, data: bytes, sync: bool = True) -> None:
+    """Write ``data`` to ``final`` atomically (``sync``: see :func:`atomic_path`)."""
+    with atomic_path(final, sync) as tmp:
         tmp.write_bytes(data)
 
 

@@ -14,14 +14,15 @@ inputs, different output" (the kernel) from "the inputs already differed"
 (and where they came from: a parameter, the batch, optimizer state, the RNG
 state of a random op, a Python value, or a tensor made outside torch ops).
 
-Backward ops carry the module and line of the forward call that created
-their autograd node (a torch-function mode tags each node as it is made; a
-module's forward hook tags the nodes of custom ``autograd.Function``s, which
-no torch function makes). Under Lightning the forward and backward run in a
-closure inside ``optimizer.step``; they keep their phase. View ops' outputs
+Backward ops carry the module and line of the forward op that made their
+autograd node (nodes are numbered as autograd makes them, and an op's node
+is made just before the op reaches the dispatch mode; a module's forward
+hook tags the nodes of custom ``autograd.Function``s, which no op makes).
+Under Lightning the forward and backward run in a closure inside
+``optimizer.step``; they keep their phase. View ops' outputs
 are recorded by layout only (their bits are their input's), and the step
 trace's own fingerprint ops are left out.
-One file per rank: ``ops-rank<R>.safetensors``, written atomically when the
+One file per rank: ``ops-rank<R>.safetensors``, written atomically (without fsync) when the
 window's last step ends.
 
 Use it with one line: ``OpRecorder()`` as a Lightning callback, or ``with
@@ -51,13 +52,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning
+import numpy as np
+import safetensors.numpy
 import torch
 from lightning.pytorch import Callback
-from torch.overrides import TorchFunctionMode
+from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from reprotrain.atomic import atomic_write_safetensors
+from reprotrain.atomic import atomic_write_bytes
 from reprotrain.devicehash import fingerprints, tensor_bytes
 from reprotrain.hashing import safetensors_metadata
 
@@ -135,8 +138,7 @@ def _user_line() -> str:
 
 def _key(t: torch.Tensor, version: int | None = None) -> tuple[Any, ...]:
     """What identifies a tensor's bits while the step runs: its memory, layout and version."""
-    version = t._version if version is None else version
-    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), version)
+    return (t.data_ptr(), t._version if version is None else version, t.dtype, t.shape, t.stride())
 
 
 def _leaves(tree: Any, out: list[Any]) -> list[Any]:
@@ -168,15 +170,20 @@ def _crc(value: str | torch.Tensor) -> int:
 class _OpKind:
     """What the recorder needs of one aten overload, worked out once."""
 
-    __slots__ = ("allocating", "name", "random", "view", "written")
+    __slots__ = ("allocating", "flat", "name", "random", "view", "written")
 
     def __init__(self, func: Any) -> None:
         self.name = str(func)
+        # No list among its arguments: the positional arguments are the leaves.
+        self.flat = not any("List" in str(a.type) for a in func._schema.arguments)
         self.allocating = func._overloadpacket.__name__ in ALLOCATING
         self.view = func.is_view
         self.random = torch.Tag.nondeterministic_seeded in func.tags
         # Which returns the op writes in place (add_, out=): they leave it one version on.
         self.written = [bool(r.alias_info and r.alias_info.is_write) for r in func._schema.returns]
+
+
+_KINDS: dict[Any, _OpKind] = {}  # aten overload -> what the recorder needs of it
 
 
 class Recording:
@@ -193,16 +200,23 @@ class Recording:
         self.steps: list[int] = []
         self._values: list[int] = []  # fingerprints; a device's are filled in at the step's end
         self._pending: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
-        self._kinds: dict[Any, _OpKind] = {}
         self._known: dict[tuple[Any, ...], tuple[int, int, Any]] = {}  # fingerprint, op, ref
+        # Tensors no recorded op made, read this step: fingerprint, origin, label, ref. A
+        # parameter is read in forward, backward and the optimizer: hashed once. Per step,
+        # as a write that bypasses the version counter (through .data) may come between.
+        self._read: dict[tuple[Any, ...], tuple[int, int, int, Any]] = {}
         self._labels: dict[tuple[Any, ...], str] = {}
         self._modules: list[str] = []
         self._phase = 0
         self._kind: _OpKind | None = None
         self._base_version = 0  # a view op's input's version: its output shares the counter
         self.step = -1
-        # The user's line of the torch call running now ("": the trace's), None till asked.
+        # The user's line of the op running now ("": the trace's), None till asked.
         self._line: str | None = None
+        # Autograd nodes by sequence number -> (module, line) of the forward op that made them.
+        self._made: dict[int, tuple[str, str]] = {}
+        self._next_node = torch._C._autograd._get_sequence_nr()  # first number not yet seen
+        self._last_made = ("-", "?")  # the previous forward op's (module, line)
 
     def text(self, value: str) -> int:
         return self.strings.setdefault(value, len(self.strings))
@@ -220,6 +234,34 @@ class Recording:
 
     def module(self) -> str:
         return self._modules[-1] if self._modules else "-"
+
+    def _note_nodes(self, made: tuple[str, str]) -> None:
+        """Before a forward op runs: name the autograd nodes made since the previous one.
+
+        Autograd numbers nodes in the order it makes them, and makes an op's node
+        just before the op reaches this mode. So with grad on, the newest number
+        is this op's node (when it made one; if not, that number is named
+        already), and older new ones were made after the previous op
+        (``CopySlices`` after an in-place op on a view): the previous op's. With
+        grad off no op makes a node: a new one is a custom ``autograd.Function``'s,
+        made before its forward's first op, named here by that op; the module
+        hooks tag it with the module's call, and the tag wins (:meth:`_maker`).
+        """
+        newest = torch._C._autograd._get_sequence_nr()
+        first, self._next_node = self._next_node, newest
+        if newest > first:
+            earlier = made
+            if torch.is_grad_enabled():
+                self._made.setdefault(newest - 1, made)
+                newest, earlier = newest - 1, self._last_made
+            for number in range(first, newest):
+                self._made.setdefault(number, earlier)
+        self._last_made = made
+
+    def _maker(self, node: Any) -> tuple[str, str]:
+        """(module, line) of the forward op that made autograd ``node``."""
+        tag = node.metadata.get(_NODE_KEY) if isinstance(node, BackwardCFunction) else None
+        return tag or self._made.get(node._sequence_nr()) or self._accumulation(node)
 
     def _accumulation(self, node: Any) -> tuple[str, str]:
         variable = getattr(node, "variable", None)
@@ -248,28 +290,33 @@ class Recording:
             self._pending[device][1].append(fingerprints(tensors, device))
         return first
 
-    def begin(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """Before an op runs: link inputs a recorded op made, fingerprint the others now."""
+    def begin(self, func: Any, node: Any, args: tuple, kwargs: dict) -> None:
+        """Before an op runs (``node``: the autograd node running it in backward, else None):
+        link inputs a recorded op made, fingerprint the others now."""
         index = len(self.ops)
-        node = torch._C._current_autograd_node()
-        phase, module, line = self._phase, self.module(), ""
+        phase = self._phase
         if node is not None:
             phase = 1
-            module, line = node.metadata.get(_NODE_KEY) or self._accumulation(node)
-        if (kind := self._kinds.get(func)) is None:
-            kind = self._kinds[func] = _OpKind(func)
+            module, line = self._maker(node)
+        else:
+            module, line = self._modules[-1] if self._modules else "-", self.where()
+            self._note_nodes((module, line))
+        if (kind := _KINDS.get(func)) is None:
+            kind = _KINDS[func] = _OpKind(func)
         self._kind = kind
         viewed = args[0] if kind.view and args else None
         self._base_version = viewed._version if isinstance(viewed, torch.Tensor) else 0
+        strings = self.strings
         self.ops.append(
-            (self.step, phase, self.text(kind.name), self.text(module),
-             self.text(line or self.where()))
+            (self.step, phase, strings.setdefault(kind.name, len(strings)),
+             strings.setdefault(module, len(strings)), strings.setdefault(line, len(strings)))
         )  # fmt: skip
-        leaves = _leaves(kwargs, _leaves(args, [])) if kwargs else _leaves(args, [])
+        leaves = _leaves(kwargs, _leaves(args, [])) if kwargs or not kind.flat else args
         fresh: list[torch.Tensor | int] = []
         origins: list[tuple[int, int]] = []
         values = []
-        inputs, known_tensors, labels = self.inputs, self._known, self._labels
+        inputs, known_tensors, read, labels = self.inputs, self._known, self._read, self._labels
+        read_now: list[tuple[int, Any, torch.Tensor]] = []  # position in fresh, key, tensor
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 key = _key(leaf)
@@ -277,6 +324,11 @@ class Recording:
                 if known is not None and known[2]() is not None:  # alive: memory not reused
                     inputs.append((index, known[0], known[1], -1))
                     continue
+                seen = read.get(key)
+                if seen is not None and seen[3]() is not None:  # read already this step
+                    inputs.append((index, seen[0], seen[1], seen[2]))
+                    continue
+                read_now.append((len(fresh), key, leaf))
                 fresh.append(leaf)
                 label = labels.get(key)
                 origins.append((OUTSIDE, -1) if label is None else (LABELLED, self.text(label)))
@@ -292,10 +344,21 @@ class Recording:
             first = self._keep(fresh)
             for position, (origin, label) in enumerate(origins):
                 inputs.append((index, first + position, origin, label))
+            for position, key, leaf in read_now:
+                read[key] = (first + position, *origins[position], weakref.ref(leaf))
 
     def end(self, out: Any) -> None:
         """After the op ran: fingerprint its outputs; later ops reading them link here."""
         index = len(self.ops) - 1
+        kind = self._kind
+        if isinstance(out, torch.Tensor) and out.is_cpu and not (kind.allocating or kind.view):
+            # The common case, shortened: one computed CPU tensor.
+            position = len(self._values)
+            self._values.append(_crc(out))
+            self.outputs.append((index, position))
+            version = out._version + (1 if kind.written and kind.written[0] else 0)
+            self._known[_key(out, version)] = (position, index, weakref.ref(out))
+            return
         if isinstance(out, torch.Tensor):
             outs = [out]
         else:
@@ -327,12 +390,13 @@ class Recording:
         if not self.steps or self.steps[-1] != self.step:
             self.steps.append(self.step)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The recording's tables, as the file holds them."""
         return {
-            "ops": torch.tensor(self.ops, dtype=torch.int64).reshape(-1, 5),
-            "inputs": torch.tensor(self.inputs, dtype=torch.int64).reshape(-1, 4),
-            "outputs": torch.tensor(self.outputs, dtype=torch.int64).reshape(-1, 2),
-            "fingerprints": torch.tensor(self._values, dtype=torch.int64),
+            "ops": np.array(self.ops, dtype=np.int64).reshape(-1, 5),
+            "inputs": np.array(self.inputs, dtype=np.int64).reshape(-1, 4),
+            "outputs": np.array(self.outputs, dtype=np.int64).reshape(-1, 2),
+            "fingerprints": np.array(self._values, dtype=np.int64),
         }
 
     def write(self, path: str | Path) -> None:
@@ -348,7 +412,9 @@ class Recording:
             "hash": HASH,
         }
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_safetensors(path, self.tensors(), safetensors_metadata(metadata))
+        data = safetensors.numpy.save(self.arrays(), metadata=safetensors_metadata(metadata))
+        # No fsync: a recording is made again by rerunning (atomic_path says what that risks).
+        atomic_write_bytes(path, data, sync=False)
 
 
 def _model_signature(root: torch.nn.Module | None) -> str:
@@ -373,54 +439,44 @@ class _Dispatch(TorchDispatchMode):
         super().__init__()
         self.recording = recording
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable unless this says
+        # no: a few microseconds per op. Not needed: Dynamo compiles no frame while a
+        # dispatch mode is on the stack (convert_frame checks), so a recorded step runs eager.
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         if func.namespace == "profiler":  # markers
             return func(*args, **kwargs)
-        if torch._C._current_autograd_node() is None and self.recording.where() == "":
+        node = torch._C._current_autograd_node()
+        self.recording._line = None
+        if node is None and self.recording.where() == "":
             return func(*args, **kwargs)  # the step trace's own fingerprints
-        with torch._C.DisableTorchFunction():  # the recorder's own torch calls skip _Lines
-            self.recording.begin(func, args, kwargs)
-        out = func(*args, **kwargs)
+        # The recorder's own tensor calls skip any torch-function mode (a user's).
         with torch._C.DisableTorchFunction():
+            self.recording.begin(func, node, args, kwargs)
+            out = func(*args, **kwargs)
             self.recording.end(out)
         return out
 
 
-class _Lines(TorchFunctionMode):
-    """Tags each autograd node with the module and source line of the call that made it."""
+def _tag_new_nodes(nodes: list[Any], tag: Any, named: dict[int, Any]) -> None:
+    """Tag the custom ``autograd.Function`` nodes reachable from ``nodes`` by new nodes.
 
-    def __init__(self, recording: Recording) -> None:
-        super().__init__()
-        self.recording = recording
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
-        # One user line per torch call: its aten ops and autograd nodes share it. Ops run
-        # outside any torch call (torch.ops.aten.* called directly) find it unset.
-        recording = self.recording
-        recording._line = None
-        try:
-            out = func(*args, **(kwargs or {}))
-            if torch.is_grad_enabled():
-                if isinstance(out, torch.Tensor):
-                    nodes = [out.grad_fn]
-                else:
-                    nodes = [t.grad_fn for t in _leaves(out, []) if isinstance(t, torch.Tensor)]
-                _tag_new_nodes(nodes, lambda: (recording.module(), recording.where()))
-        finally:
-            recording._line = None
-        return out
-
-
-def _tag_new_nodes(nodes: list[Any], tag: Any) -> None:
-    """Tag untagged autograd nodes reachable from ``nodes`` (those the call just made)."""
+    The walk stops at a tagged node and at a node ``named`` by its sequence
+    number (a built-in op's, named as it was made).
+    """
     value = None
     todo = [n for n in nodes if n is not None]
     while todo:
         node = todo.pop()
-        if _NODE_KEY in node.metadata or not hasattr(node, "next_functions"):
+        if not hasattr(node, "next_functions") or _NODE_KEY in node.metadata:
             continue
-        if node.name().endswith("AccumulateGrad"):
+        if not isinstance(node, BackwardCFunction) and (
+            node._sequence_nr() in named or node.name().endswith("AccumulateGrad")
+        ):
             continue
         value = value or tag()
         node.metadata[_NODE_KEY] = value
@@ -436,14 +492,15 @@ def _recording_step(recording: Recording, step: int) -> Iterator[None]:
         stack.append(recording.names.get(id(module), type(module).__name__))
 
     def leave(module: torch.nn.Module, _args: Any, out: Any) -> None:
-        # Nodes no torch function made (a custom autograd.Function's) belong to this module.
+        # A custom autograd.Function's nodes (no op made them) belong to this module's call.
         if torch.is_grad_enabled():
-            recording._line = None  # a custom autograd.Function's nodes: the module's call
+            recording._line = None
             if isinstance(out, torch.Tensor):
                 nodes = [out.grad_fn]
             else:
                 nodes = [t.grad_fn for t in _leaves(out, []) if isinstance(t, torch.Tensor)]
-            _tag_new_nodes(nodes, lambda: (recording.module(), recording.where()))
+            tag = lambda: (recording.module(), recording.where())  # noqa: E731
+            _tag_new_nodes(nodes, tag, recording._made)
         if stack:
             stack.pop()
 
@@ -479,6 +536,8 @@ def _recording_step(recording: Recording, step: int) -> Iterator[None]:
     )
 
     recording.step = step
+    recording._read.clear()
+    recording._next_node = torch._C._autograd._get_sequence_nr()  # older nodes: not this step's
     hooks = [
         nn_module.register_module_forward_pre_hook(enter),
         nn_module.register_module_forward_hook(leave),
@@ -486,7 +545,7 @@ def _recording_step(recording: Recording, step: int) -> Iterator[None]:
         register_optimizer_step_post_hook(optimizer_post),
     ]
     try:
-        with _Lines(recording), _Dispatch(recording):
+        with _Dispatch(recording):
             yield
     finally:
         for hook in hooks:
