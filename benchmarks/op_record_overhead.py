@@ -4,39 +4,44 @@ A plain PyTorch loop (forward, backward, Adam step) on CPU, for the
 pipeline's default network (batch 64) and a ~10M-parameter MLP (batch 64).
 Each repeat times one plain step and one recorded step, interleaved, after
 warm-up steps; a recorded step is ``record_step`` with a one-step window, so
-it includes everything a user pays to record a step: the modes, a
+it includes everything a user pays to record a step: the mode, a
 fingerprint of every op output and outside input, the fetch, and writing
 the recording's file. Reported per model: the median plain and recorded step
 time and their ratio, and the number of ops in a step. Goal (issue 16):
 ratio <= 3. Off (no window), ``record_step`` is a null context and costs
-nothing measurable; that is not timed here.
+nothing measurable; that is not timed here. ``--parts`` also times, each
+beside its own plain step, a dispatch mode that only runs the ops (the
+floor), and the recorder with no tensor hashed or no file written: what
+each part costs.
 
-Measured on the shared 2-core build host (``--repeats 9 --threads 1``):
-pipeline network 5.69 ms plain, 19.19 ms recorded, 3.37x; MLP 100.7 ms,
-231.2 ms, 2.30x (docs/any-script.md says where the time goes).
+Figures, and where the time goes: docs/any-script.md ("What recording costs").
 
-    .venv/bin/python benchmarks/op_record_overhead.py [--repeats 15] [--threads N] [--json PATH]
+    .venv/bin/python benchmarks/op_record_overhead.py [--repeats 15] [--threads N] [--parts]
+        [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _workspace import ROOT
+from reprotrain import oprecord
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
 from reprotrain.hashing import canonical_json, load_safetensors
-from reprotrain.oprecord import record_step
+from reprotrain.oprecord import _crc, record_step
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.model import build_network
 from trace_overhead import MLP
@@ -53,7 +58,34 @@ def mlp() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return MLP().net, torch.randn(64, 1024), torch.randint(0, 10, (64,))
 
 
-def measure(name: str, build: Callable[[], tuple[nn.Module, Any, Any]], repeats: int) -> dict:
+class _EmptyMode(TorchDispatchMode):
+    """A dispatch mode that only runs each op: the floor any op recorder pays."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as the recorder's mode
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
+def _texts_only(value: Any) -> int:
+    return 0 if isinstance(value, torch.Tensor) else _crc(value)
+
+
+def measure(
+    name: str, build: Callable[[], tuple[nn.Module, Any, Any]], repeats: int, parts: bool
+) -> dict:
     configure_determinism(0, True)
     net, x, y = build()
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
@@ -64,31 +96,59 @@ def measure(name: str, build: Callable[[], tuple[nn.Module, Any, Any]], repeats:
         loss.backward()
         optimizer.step()
 
-    plain, recorded = [], []
-    with tempfile.TemporaryDirectory() as out:
-        for index in range(3 + repeats):  # the first 3 pairs warm up
-            start = time.perf_counter()
+    def recorded(index: int) -> None:
+        with record_step(net, index, optimizer, steps=(index, index), out=out, batch=(x, y)):
             step()
-            middle = time.perf_counter()
-            with record_step(net, index, optimizer, steps=(index, index), out=out, batch=(x, y)):
+
+    def variant(index: int, *patches: tuple[Any, str, Any]) -> None:
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(_patched(*patch))
+            recorded(index)
+
+    def empty_mode(_index: int) -> None:
+        with _EmptyMode():
+            step()
+
+    variants: dict[str, Callable[[int], None]] = {"recorded": recorded}
+    if parts:  # what each part adds, by leaving it out
+        variants["empty dispatch mode"] = empty_mode
+        variants["recorded, no tensor hashed"] = lambda i: variant(
+            i, (oprecord, "_crc", _texts_only)
+        )
+        variants["recorded, no file written"] = lambda i: variant(
+            i, (oprecord.Recording, "write", lambda *_: None)
+        )
+    times: dict[str, list[float]] = {"plain": [], **{k: [] for k in variants}}
+    with tempfile.TemporaryDirectory() as out:
+        for index in range(3 + repeats):  # the first 3 rounds warm up
+            for label, run in variants.items():  # each beside its own plain step
+                start = time.perf_counter()
                 step()
-            end = time.perf_counter()
-            if index >= 3:
-                plain.append(middle - start)
-                recorded.append(end - middle)
+                middle = time.perf_counter()
+                run(index)
+                end = time.perf_counter()
+                if index >= 3:
+                    times["plain"].append(middle - start)
+                    times[label].append(end - middle)
         ops = len(load_safetensors(Path(out) / "ops-rank0.safetensors")[0]["ops"])
     size = sum(p.numel() for p in net.parameters())
+    medians = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     result = {
         "model": f"{name} ({size:,} parameters, batch 64)",
         "ops_per_step": ops,
-        "plain_ms": statistics.median(plain) * 1e3,
-        "recorded_ms": statistics.median(recorded) * 1e3,
+        "plain_ms": medians["plain"],
+        "recorded_ms": medians["recorded"],
+        "ratio": medians["recorded"] / medians["plain"],
     }
-    result["ratio"] = result["recorded_ms"] / result["plain_ms"]
     print(
         f"  {result['model']:45s} {ops:5d} ops  plain {result['plain_ms']:8.2f} ms  "
         f"recorded {result['recorded_ms']:8.2f} ms  ratio {result['ratio']:.2f}"
     )
+    if parts:
+        result["parts_ms"] = {k: medians[k] for k in variants if k != "recorded"}
+        for label, value in result["parts_ms"].items():
+            print(f"    {label:40s} {value:8.2f} ms  ratio {value / medians['plain']:.2f}")
     return result
 
 
@@ -97,14 +157,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--json", type=Path, help="also write the figures here as JSON")
+    parser.add_argument(
+        "--parts", action="store_true", help="also time variants that leave one part out"
+    )
     cli = parser.parse_args()
     reexec_with_fixed_hash_seed()
     if cli.threads:
         torch.set_num_threads(cli.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cli.repeats} repeats")
     results = [
-        measure("pipeline network", pipeline_network, cli.repeats),
-        measure("MLP", mlp, cli.repeats),
+        measure("pipeline network", pipeline_network, cli.repeats, cli.parts),
+        measure("MLP", mlp, cli.repeats, cli.parts),
     ]
     if cli.json:
         atomic_write_text(cli.json, canonical_json({"torch": torch.__version__, "models": results}))
