@@ -21,7 +21,12 @@ import torch
 from torch.nn import functional as F
 
 from reprotrain.hashing import sha256_file
-from reprotrain.invariant import MicroBatchSampler, invariant_layout_problem, tree_sum
+from reprotrain.invariant import (
+    MicroBatchSampler,
+    invariant_layout_problem,
+    sample_integers,
+    tree_sum,
+)
 from reprotrain.pipeline.config import ConfigError, load_params
 from tests.helpers import ROOT, RUN_OUTPUTS, cli_env, run_checked, run_cli, train_argv
 
@@ -79,6 +84,16 @@ def test_every_rank_takes_its_slice_of_one_order(world: int) -> None:
     k = 4 // world
     merged = [mb for step in range(6) for r in range(world) for mb in per_rank[r][step * k :][:k]]
     assert merged == alone  # indices and draw keys alike
+
+
+def test_a_samples_integers_follow_its_key_alone_and_cover_the_range() -> None:
+    key = (2**61 + 5, 17)
+    assert sample_integers(key, -1, 2, 2) == sample_integers(key, -1, 2, 2)
+    draws = [tuple(sample_integers((key[0], i), -1, 2, 2)) for i in range(9000)]
+    counts = {pair: draws.count(pair) for pair in set(draws)}
+    assert len(counts) == 9 and min(counts.values()) > 800  # about 1000 each
+    # Negative control: another epoch key gives other draws.
+    assert draws[:50] != [tuple(sample_integers((key[0] + 1, i), -1, 2, 2)) for i in range(50)]
 
 
 def test_one_process_and_micro_batches_of_the_same_size_differ() -> None:

@@ -21,10 +21,11 @@ permutation that every rank draws alike (:class:`MicroBatchSampler`); rank
 W``) as Lightning's gradient accumulation. Before each micro-batch the
 python, numpy and torch generators (CPU and CUDA) are seeded from (seed,
 optimizer step, micro-batch id), and a dataset's per-sample draws take their
-key from the sampler (:func:`sample_rng`), so no draw depends on the rank or
-a DataLoader worker. A rank's earlier micro-batches run under DDP's
-``no_sync`` and their gradients are kept apart (each backward starts from
-no gradient, so nothing is added outside the tree). In the last one's
+key from the sampler (:func:`sample_integers`, :func:`sample_rng`), so no
+draw depends on the rank or a DataLoader worker. A rank's earlier
+micro-batches run under DDP's ``no_sync`` and their gradients are kept
+apart (each backward starts from no gradient, so nothing is added outside
+the tree). In the last one's
 backward, DDP's all-reduce is replaced by a communication hook that, per
 gradient bucket as soon as it is ready, adds the rank's micro-batch
 gradients by :func:`tree_sum` (one fixed binary tree over micro-batch ids:
@@ -69,6 +70,7 @@ __all__ = [
     "WorldSizeInvariantStrategy",
     "invariant_layout_problem",
     "micro_batch_seed",
+    "sample_integers",
     "sample_rng",
     "step_loss",
     "tree_sum",
@@ -125,8 +127,34 @@ def seed_everything_for(seed: int) -> None:
 
 
 def sample_rng(key: tuple[int, int]) -> np.random.Generator:
-    """The generator for one sample's random draws (augmentation), from its sampler key."""
+    """The generator for one sample's random draws (augmentation), from its sampler key.
+
+    About 30 us to make; for a few small integers :func:`sample_integers` is cheaper.
+    """
     return np.random.default_rng(list(key))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers that scatters every bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample_integers(key: tuple[int, int], low: int, high: int, size: int) -> list[int]:
+    """``size`` integers in ``[low, high)`` for one sample, from its sampler key.
+
+    A counter-based draw (draw ``i`` is a hash of the key and ``i``), so like
+    :func:`sample_rng` it depends on the key alone; a few microseconds where
+    making a numpy generator costs about 30. The modulo bias is below 2**-60
+    for ranges under 16.
+    """
+    base = _mix64(_mix64(key[0] & _MASK64) ^ (key[1] & _MASK64))
+    return [low + _mix64(base ^ _mix64(i)) % (high - low) for i in range(size)]
 
 
 class MicroBatchSampler(Sampler[list[tuple[int, tuple[int, int]]]]):

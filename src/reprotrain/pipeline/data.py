@@ -36,7 +36,7 @@ and equal on every rank, with no all-reduce.
 With ``micro_batch_size`` (``train.world_size_invariant``) the training loader
 takes :class:`~reprotrain.invariant.MicroBatchSampler`'s micro-batches of one
 global order instead, and each image's shift is drawn from its own key
-(:func:`~reprotrain.invariant.sample_rng`), not from a worker's generator, so
+(:func:`~reprotrain.invariant.sample_integers`), not from a worker's generator, so
 neither the rank nor the worker decides a draw; the last partial batch of an
 epoch is dropped.
 """
@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from reprotrain.atomic import atomic_write_safetensors
 from reprotrain.hashing import load_safetensors, safetensors_metadata
-from reprotrain.invariant import MicroBatchSampler, sample_rng
+from reprotrain.invariant import MicroBatchSampler, sample_integers
 from reprotrain.pipeline.errors import DataError
 
 SPLITS = ("train", "val", "test")
@@ -115,7 +115,7 @@ class ShiftedImages(Dataset):
             if key is None:  # the worker's generator, seeded per worker (and rank)
                 dy, dx = np.random.randint(-1, 2, size=2)
             else:  # the sample's own: the same in any worker, on any rank
-                dy, dx = sample_rng(key).integers(-1, 2, size=2)
+                dy, dx = sample_integers(key, -1, 2, size=2)
             image = _shift(image, int(dy), int(dx))
         return image, self.y[index]
 
