@@ -12,6 +12,7 @@ load drifts less within a repeat), on the default model and on one whose
 hidden layer makes it about 10M parameters.
 
     .venv/bin/python benchmarks/invariant_overhead.py [--repeats 3] [--epochs 3] [--batch 64]
+        [--models both|default|10m]
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3, help="the first is warm-up")
     parser.add_argument("--batch", type=int, default=64, help="global batch (divisible by 4)")
+    parser.add_argument(
+        "--models", choices=("both", "default", "10m"), default="both", help="which models to time"
+    )
     add_worker_arguments(parser)
     cli = parser.parse_args()
     if cli.train is not None:  # a worker (or the rank Lightning started)
@@ -49,6 +53,8 @@ def main() -> None:
         },
     }
     models = {"default model": [], "~10M-parameter model": [f"model.hidden={HIDDEN_10M}"]}
+    if cli.models != "both":
+        models = dict([list(models.items())[cli.models == "10m"]])
     times: dict[tuple[str, str], list[float]] = {(m, k): [] for m in models for k in modes}
     with prepared_data() as data:
         for _ in range(cli.repeats):
@@ -56,6 +62,7 @@ def main() -> None:
                 for mode, mode_set in modes.items():
                     result = timed_training(__file__, data, [*common, *model_set, *mode_set])
                     times[(model, mode)].append(result["step_s"])
+    time_draws()
     print(f"2 gloo processes, global batch {cli.batch}, {cli.repeats} interleaved fresh trainings")
     for model in models:
         base = statistics.median(times[(model, "plain DDP")])
@@ -71,6 +78,25 @@ def main() -> None:
                 f"    {mode:22s} median step {1000 * median:8.2f} ms  "
                 f"ratio to plain DDP {median / base:.2f}, paired {paired:.2f}  (runs {each})"
             )
+
+
+def time_draws() -> None:
+    """One sample's shift drawn each way the data module can (per call, one process)."""
+    import timeit
+
+    import numpy as np
+
+    from reprotrain.invariant import sample_integers, sample_rng
+
+    key, calls = (2**61 + 5, 17), 20000
+    draws = {
+        "sample_integers (the mode)": lambda: sample_integers(key, -1, 2, 2),
+        "sample_rng(key).integers": lambda: sample_rng(key).integers(-1, 2, size=2),
+        "np.random.randint (plain DDP's workers)": lambda: np.random.randint(-1, 2, size=2),
+    }
+    print("one sample's shift (dy, dx), per call:")
+    for name, draw in draws.items():
+        print(f"  {name:40s} {timeit.timeit(draw, number=calls) / calls * 1e6:6.1f} us")
 
 
 if __name__ == "__main__":
