@@ -82,6 +82,24 @@ def test_a_parameter_read_again_in_a_step_is_hashed_once_and_backward_ops_get_fo
     assert {str(_line_of("cross_entropy(h, y)")), str(_line_of("h = model(x)"))} <= backward
 
 
+def test_under_torch_compile_dynamo_does_not_trace_the_recorder(tmp_path: Path) -> None:
+    from torch._dynamo.utils import counters
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled, x = torch.compile(model, backend="eager"), torch.randn(16, 4)
+    compiled(x)  # compiled outside the step
+    graphs = counters["stats"]["unique_graphs"]
+    with record_step(model, 0, optimizer, steps=(0, 0), out=tmp_path):
+        loss = compiled(x).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    # The mode is popped while its handler runs; unguarded, Dynamo compiled ~20 graphs here.
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert len(load_safetensors(tmp_path / "ops-rank0.safetensors")[0]["ops"]) > 10
+
+
 def test_recordings_of_different_models_are_refused(tmp_path: Path) -> None:
     with pytest.raises(OpRecordError, match="different models"):
         compare_recordings(_record(tmp_path / "a"), _record(tmp_path / "b", width=9))

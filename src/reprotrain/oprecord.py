@@ -55,7 +55,9 @@ import lightning
 import numpy as np
 import safetensors.numpy
 import torch
+import torch._dynamo
 from lightning.pytorch import Callback
+from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -442,12 +444,20 @@ class _Dispatch(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable unless this says
-        # no: a few microseconds per op. Not needed: Dynamo compiles no frame while a
-        # dispatch mode is on the stack (convert_frame checks), so a recorded step runs eager.
+        # no: several microseconds per op. The handler turns Dynamo's frame callback off
+        # itself, which costs a tenth of that (and its code is marked skipped, below).
+        # Needed: while the handler runs, torch has popped the mode, so under torch.compile
+        # Dynamo would trace the recorder's frames.
         return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
-        kwargs = kwargs or {}
+        callback = _set_eval_frame(None)
+        try:
+            return self._run(func, args, kwargs or {})
+        finally:
+            _set_eval_frame(callback)
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func.namespace == "profiler":  # markers
             return func(*args, **kwargs)
         node = torch._C._current_autograd_node()
@@ -460,6 +470,10 @@ class _Dispatch(TorchDispatchMode):
             out = func(*args, **kwargs)
             self.recording.end(out)
         return out
+
+
+# Dynamo's callback sees the handler's frame before the handler can turn it off: skip it.
+torch._dynamo.eval_frame.skip_code(_Dispatch.__torch_dispatch__.__code__)
 
 
 def _tag_new_nodes(nodes: list[Any], tag: Any, named: dict[int, Any]) -> None:
