@@ -1,17 +1,40 @@
-"""Shared fixtures: the repository root, a CLI runner, and a prepared dataset."""
+"""Shared fixtures: the repository root, a CLI runner, and a prepared dataset.
+
+``REPROTRAIN_TEST_ATEN_LEVEL`` (``make test-other-isa``) runs the pytest
+processes themselves at another ATen level than the CPU profile pins, as on a
+host whose own level is not the pin (an AVX-512 CPU under the portable
+profile's AVX2): ATen reads ``ATEN_CPU_CAPABILITY`` once, so this module sets
+it, imports torch, makes ATen choose, and removes it again, so the processes a
+test starts inherit nothing that contradicts the profile. A test that trains
+or checks the profile in the pytest process then meets the refusal a user on
+such a host would.
+"""
 
 from __future__ import annotations
 
 import fcntl
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from reprotrain.determinism import reexec_with_fixed_hash_seed
-from tests.helpers import ROOT, commit_all, copy_checkout, run_checked, run_cli
+EMULATED_LEVEL = os.environ.get("REPROTRAIN_TEST_ATEN_LEVEL")
+if EMULATED_LEVEL:
+    os.environ["ATEN_CPU_CAPABILITY"] = EMULATED_LEVEL
+import torch  # noqa: E402  (after the emulated level is exported)
+
+if EMULATED_LEVEL:
+    if torch.backends.cpu.get_cpu_capability() != EMULATED_LEVEL.upper():
+        raise RuntimeError(
+            f"REPROTRAIN_TEST_ATEN_LEVEL={EMULATED_LEVEL}: ATen chose "
+            f"{torch.backends.cpu.get_cpu_capability()}; torch was imported before this conftest"
+        )
+    del os.environ["ATEN_CPU_CAPABILITY"]
+
+from reprotrain.determinism import reexec_with_fixed_hash_seed  # noqa: E402
+from tests.helpers import ROOT, commit_all, copy_checkout, run_checked, run_cli  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:

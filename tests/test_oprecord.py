@@ -163,6 +163,19 @@ def test_verify_of_a_command_starts_it_without_the_pipelines_cpu_profile(tmp_pat
     assert again.stderr.count("\n") == 1
 
 
+def test_a_run_without_reprotrain_says_which_interpreter_ran(tmp_path: Path) -> None:
+    # -S leaves out site-packages: as a `python` first on PATH outside the venv would
+    lacking = run_cli("verify", "--", sys.executable, "-S", "-c", "import reprotrain", cwd=tmp_path)
+    assert lacking.returncode == 2, lacking.stderr
+    (line,) = lacking.stderr.strip().splitlines()
+    assert "No module named 'reprotrain'" in line and "which has no reprotrain" in line
+    assert f"-- {sys.executable} ..." in line
+    # Negative control: another failure gets no interpreter hint.
+    other = run_cli("verify", "--", sys.executable, "-S", "-c", "import nosuchmod", cwd=tmp_path)
+    assert other.returncode == 2 and "No module named 'nosuchmod'" in other.stderr
+    assert "which has no reprotrain" not in other.stderr
+
+
 def _line_of(marker: str, path: Path = Path(__file__)) -> int:
     lines = path.read_text().splitlines()
     return next(i for i, line in enumerate(lines, 1) if marker in line and "_line_of" not in line)

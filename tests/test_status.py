@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, commit_all, run_cli
+from tests.helpers import ROOT, commit_all, run_checked, run_cli
 
 FAKE_CPU = {"PYTHONPATH": str(ROOT / "tests" / "inject"), "REPROTRAIN_TEST_CPU": "xeon-avx512"}
 
@@ -45,3 +47,34 @@ def test_verify_reference_passes_on_the_committed_run_and_names_a_tampered_file(
     differs = run_cli("verify", "--reference", "HEAD", cwd=repo_copy)
     assert differs.returncode == 1
     assert "reports/metrics.json" in differs.stdout and "NOT REPRODUCED" in differs.stdout
+
+
+def _dvc_added_input_repo(repo: Path) -> None:
+    """A git + DVC repo whose one stage reads data/raw.txt, added with `dvc add`, run once."""
+    repo.mkdir()
+    run_checked("git", "init", "-q", cwd=repo)
+    run_checked(sys.executable, "-m", "dvc", "init", "-q", cwd=repo)
+    (repo / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    (repo / "data").mkdir()
+    (repo / "data" / "raw.txt").write_text("raw\n")
+    run_checked(sys.executable, "-m", "dvc", "add", "-q", "data/raw.txt", cwd=repo)
+    (repo / "dvc.yaml").write_text(
+        "stages:\n  copy:\n    cmd: cp data/raw.txt out.txt\n"
+        "    deps: [data/raw.txt]\n    outs: [out.txt]\n"
+    )
+    run_checked(sys.executable, "-m", "dvc", "repro", "-q", cwd=repo)
+    commit_all(repo, "a stage on dvc-added data")
+
+
+def test_verify_reference_names_dvc_data_that_no_cache_or_remote_has(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    _dvc_added_input_repo(repo)
+    # Control: the data is in this repository's DVC cache, and the clone reads it there.
+    held = run_cli("verify", "--reference", "HEAD", cwd=repo)
+    assert held.returncode == 0 and "IDENTICAL" in held.stdout, held.stdout + held.stderr
+    shutil.rmtree(repo / ".dvc" / "cache")  # as in a fresh clone with no remote
+    lost = run_cli("verify", "--reference", "HEAD", cwd=repo)
+    assert lost.returncode == 2, lost.stdout + lost.stderr
+    (line,) = lost.stderr.strip().splitlines()
+    assert "missing data 'source': data/raw.txt" in line  # DVC's own words, kept
+    assert "data/raw.txt is tracked by DVC" in line and "`dvc pull`" in line

@@ -115,3 +115,25 @@ def test_compare_blames_the_seed_from_step_zero(runs: dict[str, Path], tmp_path:
     assert {d["key"] for d in report["inputs"]} == {"params.seed", "determinism.seed"}
     rows = {row["name"]: row for row in report["weights"]}
     assert not rows["0.weight"]["equal"] and rows["0.weight"]["max_abs_diff"] > 0
+
+
+def test_gpu_accelerator_without_cuda_is_one_line_naming_the_key(
+    prepared: Path, env_record: Path, tmp_path: Path
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the refusal is for hosts without it")
+    (tmp_path / "model.safetensors").write_bytes(b"earlier model")
+    gpu = run_cli(
+        *train_argv(prepared, env_record, tmp_path, "-S", "train.accelerator=gpu"), cwd=tmp_path
+    )
+    assert gpu.returncode == 2, gpu.stderr
+    lines = gpu.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in gpu.stderr, gpu.stderr
+    assert "train.accelerator: gpu" in lines[0] and "train.accelerator=cpu" in lines[0]
+    assert (tmp_path / "model.safetensors").read_bytes() == b"earlier model"
+    # Negative control: the check is the accelerator's, not any train command's.
+    cpu = run_cli(
+        *train_argv(prepared, env_record, tmp_path, "-S", "train.max_epochs=1"), cwd=tmp_path
+    )
+    assert cpu.returncode == 0, cpu.stderr
+    assert (tmp_path / "model.safetensors").read_bytes() != b"earlier model"

@@ -25,8 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
+import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +62,23 @@ def _start(cmd: list[str], folder: Path, index: int, base: dict[str, str], extra
         except OSError as err:
             raise DataError(f"{cmd[0]}: {err.strerror}; check the command after `--`") from None
     if done.returncode != 0:
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        text = log.read_text(errors="replace")
+        tail = text.strip().splitlines()[-1:] or ["(no output)"]
         raise DataError(
             f"run {index} of `{shlex.join(cmd)}` exited {done.returncode} ({tail[0][:200]}); "
-            f"see {log}"
+            f"see {log}{_interpreter_hint(text, argv[0], env)}"
         )
+
+
+def _interpreter_hint(log: str, program: str, env: Mapping[str, str]) -> str:
+    """Where a run could not import reprotrain: which interpreter ran, and which has it."""
+    if "No module named 'reprotrain'" not in log:
+        return ""
+    found = shutil.which(program, path=env.get("PATH")) or program
+    return (
+        f"; `{program}` ran as {found}, which has no reprotrain: activate the environment that "
+        f"has it (`source .venv/bin/activate`) or name its interpreter, `-- {sys.executable} ...`"
+    )
 
 
 def _outputs(folder: Path, named: list[str]) -> list[str]:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -200,9 +201,10 @@ def check_reference(rev: str, workdir: Path | None) -> int:
     except DataError:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
+    _share_dvc_cache(repo, clone)
     print(f"reprotrain verify: dvc repro in a clone of {rev} ({clone})", flush=True)
     repro = subprocess.run(
-        [sys.executable, "-m", "dvc", "repro", "--quiet"],
+        [sys.executable, "-m", "dvc", "repro", "--no-run-cache"],
         cwd=clone,
         capture_output=True,
         text=True,
@@ -213,8 +215,7 @@ def check_reference(rev: str, workdir: Path | None) -> int:
         },
     )
     if repro.returncode != 0:
-        tail = (repro.stderr or repro.stdout).strip().splitlines()[-3:]
-        raise DataError(f"dvc repro failed in {clone}: {' / '.join(tail)}")
+        raise DataError(f"dvc repro failed in {clone}: {_repro_failure(repro, repo)}")
     changed = _git("status", "--porcelain", cwd=clone).splitlines()
     if not changed:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -238,6 +239,38 @@ def check_reference(rev: str, workdir: Path | None) -> int:
         f"reprotrain verify: NOT REPRODUCED: {rev}'s reference differs here (clone kept: {clone})"
     )
     return EXIT_DIFFERENT
+
+
+def _share_dvc_cache(repo: Path, clone: Path) -> None:
+    """Check out the clone's ``dvc add``-ed inputs from this repository's DVC cache.
+
+    Only the targets of ``.dvc`` files: the stages' outputs must still be made
+    by the clone's own ``dvc repro`` (which runs with ``--no-run-cache``, so no
+    stage is restored from an earlier run either). What the cache lacks stays
+    missing, and the repro's error says so.
+    """
+    cache = repo / ".dvc" / "cache"
+    added = _git("ls-files", "*.dvc", cwd=clone).split()
+    if not cache.is_dir() or not added:
+        return
+    dvc = [sys.executable, "-m", "dvc"]
+    for argv in (["cache", "dir", "--local", str(cache)], ["checkout", "--quiet", *added]):
+        subprocess.run([*dvc, *argv], cwd=clone, capture_output=True, check=False)
+
+
+def _repro_failure(repro: subprocess.CompletedProcess[str], repo: Path) -> str:
+    """DVC's own error lines, and what to do when a DVC-tracked input is in no cache or remote."""
+    lines = f"{repro.stderr}\n{repro.stdout}".strip().splitlines()
+    errors = [line.removeprefix("ERROR:").strip() for line in lines if line.startswith("ERROR")]
+    said = " / ".join(errors or lines[-3:]) or f"exit {repro.returncode} and no output"
+    missing = sorted(set(re.findall(r"missing data '\w+': (\S+)", said)))
+    if not missing:
+        return said
+    return (
+        f"{said}; {', '.join(missing)} is tracked by DVC but neither {repo}'s DVC cache nor a "
+        f"remote has it: run `dvc pull` in {repo} (set a remote first with `dvc remote add -d "
+        "NAME URL`), or restore the file and `dvc add` it, then rerun"
+    )
 
 
 def _git(*args: str, cwd: Path) -> str:

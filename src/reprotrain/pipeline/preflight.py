@@ -161,6 +161,26 @@ def check_outputs(needs: Mapping[Path, int]) -> None:
             )
 
 
+def check_accelerator(params: Params) -> None:
+    """Refuse ``train.accelerator: gpu`` where torch sees no CUDA device.
+
+    The env stage checks the same with nvidia-smi under ``dvc repro``; a stage
+    command run on its own (or a torch without CUDA) meets this one instead of
+    Lightning's traceback. Asks torch only for ``gpu``: a CPU run never touches CUDA.
+    """
+    if params.train.accelerator != "gpu":
+        return
+    import torch
+
+    if torch.cuda.device_count() < 1:
+        build = torch.version.cuda or "none, a CPU-only torch"
+        raise DataError(
+            f"train.accelerator: gpu, but torch finds no CUDA device here (its CUDA build: "
+            f"{build}); set train.accelerator: cpu (-S train.accelerator=cpu), or run on a "
+            "GPU host (docker run --gpus all)"
+        )
+
+
 def preflight(
     params: Params,
     raw_dir: Path,

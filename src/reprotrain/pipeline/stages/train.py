@@ -72,6 +72,7 @@ from reprotrain.pipeline.curves import CurveCheckpoint, MemoryLogger
 from reprotrain.pipeline.data import PreparedData, PreparedDataModule, load_prepared
 from reprotrain.pipeline.errors import Interrupted
 from reprotrain.pipeline.model import Classifier
+from reprotrain.pipeline.preflight import check_accelerator
 from reprotrain.pipeline.run_record import load_environment, run_inputs, write_run_record
 from reprotrain.provenance import run_id
 from reprotrain.resume import (
@@ -223,6 +224,7 @@ def fit(
     ranks must agree on ``identity`` and ``resume_from`` before the first step.
     """
     cfg = params.train
+    check_accelerator(params)
     ddp = cfg.strategy == "ddp"
     invariant = cfg.world_size_invariant
     module = Classifier(params.model, cfg, data.input_shape, data.num_classes)
