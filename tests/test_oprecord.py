@@ -59,12 +59,16 @@ def test_a_planted_python_value_is_named_at_its_op_and_line(tmp_path: Path) -> N
     assert result.op["op"] == "aten.add.Tensor"
     assert result.op["line"].endswith(f"test_oprecord.py:{_line_of('planted: a Python value')}")
     assert "Python value" in result.differing_inputs[0]
+    assert "the cause is here, at this op's source line" in result.diagnosis
+    assert "upstream" not in result.to_text()
 
 
 def test_weights_that_differed_before_the_step_are_blamed_upstream(tmp_path: Path) -> None:
     result = compare_recordings(_record(tmp_path / "a"), _record(tmp_path / "b", seed=1))
     assert result.kind == "inputs"
     assert result.differing_inputs[0].startswith("parameter ")
+    assert "the cause is upstream of this op" in result.diagnosis  # not "here"
+    assert "cause is here" not in result.to_text()
 
 
 def test_a_parameter_read_again_in_a_step_is_hashed_once_and_backward_ops_get_forward_lines(

@@ -10,7 +10,8 @@ op, rank by rank. The first op whose inputs or outputs differ is classified:
   (weights from an earlier step or a checkpoint), the batch (data order,
   augmentation, worker seeding), optimizer state, the RNG state before a
   random op, a Python value passed to the op, or a tensor made outside torch
-  ops (NumPy, Python lists); the culprit is upstream of the op.
+  ops (NumPy, Python lists). A Python value passed at this op puts the cause
+  at this op's line; every other input was made upstream of the op.
 - ``order``: the input was made by a recorded op whose output matched, but not
   by the same op in both runs: the same values consumed in another order
   (Python set or dict iteration under another hash seed).
@@ -237,6 +238,21 @@ def _signature(rec: Recording, i: int) -> tuple[Any, ...]:
     return step, phase, rec.text(name), rec.text(module)
 
 
+def _inputs_diagnosis(passed_here: int, differing: int) -> str:
+    """Where differing inputs come from: this op (a Python value passed to it) or before it."""
+    if passed_here == differing:
+        return (
+            "a Python value passed to this op differs: the cause is here, at this op's source "
+            "line, where that value is computed"
+        )
+    if passed_here:
+        return (
+            "a Python value passed to this op differs (the cause is at this op's source line), "
+            "and so does an input made before it (upstream)"
+        )
+    return "the inputs already differed; the cause is upstream of this op"
+
+
 def _compare_rank(a: Recording, b: Recording) -> OpDiff | int:
     """The first difference in one rank's streams, or the number of ops compared."""
     n = min(len(a.ops), len(b.ops))
@@ -258,8 +274,9 @@ def _compare_rank(a: Recording, b: Recording) -> OpDiff | int:
                     "iteration under another hash seed, a sort that is not stable)"
                 )
                 return OpDiff(False, "order", diagnosis, op=a.op(i), differing_inputs=texts)
-            diagnosis = "the inputs already differed; the cause is upstream of this op"
-            return OpDiff(False, "inputs", diagnosis, op=a.op(i), differing_inputs=texts)
+            here = [k for k in differing if ins_a[k, 2] == PYTHON_VALUE]
+            return OpDiff(False, "inputs", _inputs_diagnosis(len(here), len(differing)),
+                          op=a.op(i), differing_inputs=texts)  # fmt: skip
         if not np.array_equal(a.op_outputs(i), b.op_outputs(i)):
             if unwritten := [_describe(a, row) for row in ins_a if _allocated(a, row)]:
                 diagnosis = (
