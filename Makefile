@@ -17,7 +17,7 @@ DOCKER ?= docker
 IMAGE ?= reprotrain:latest
 BASE_IMAGE ?=
 
-.PHONY: help venv repro test test-slow test-gpu gpu-evidence test-container verify check-reference status lint format lock bench ops clean \
+.PHONY: help venv repro test test-other-isa test-slow test-gpu gpu-evidence test-container verify check-reference status lint format lock bench ops clean \
 	image docker-repro docker-verify
 
 help: ## List the targets
@@ -48,6 +48,15 @@ QUICK_THREADS ?= 1
 
 test: venv lint ## Lint, then run the quick test suite (not the slow ones, not the container build)
 	OMP_NUM_THREADS=$(QUICK_THREADS) $(BIN)/pytest $(PYTEST_PARALLEL)
+
+# The pytest processes at ATen's scalar level while what they start (reprotrain, dvc)
+# inherits nothing contradicting the profile: what `make test` meets on a host whose
+# own level is not the portable pin (AVX-512), emulated on any CPU (tests/conftest.py).
+OTHER_ISA ?= default
+
+test-other-isa: venv ## The quick suite with pytest itself at another ATen level (as on AVX-512)
+	REPROTRAIN_TEST_ATEN_LEVEL=$(OTHER_ISA) OMP_NUM_THREADS=$(QUICK_THREADS) \
+		$(BIN)/pytest $(PYTEST_PARALLEL)
 
 test-slow: venv ## Run the tests marked slow: kill points, DDP process groups, extra pipeline runs
 	$(BIN)/pytest $(PYTEST_PARALLEL) -m slow

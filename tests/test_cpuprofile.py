@@ -10,6 +10,7 @@ the trained bytes stay the same, under `native` the same capping changes them
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,26 @@ def test_dvc_repro_on_another_cpu_family_is_a_cache_hit(repo_copy: Path) -> None
     assert run_checked("git", "status", "--porcelain", cwd=repo_copy) == ""
     host = json.loads((repo_copy / "reports" / "host.json").read_text())
     assert host["cpu"]["model"].startswith("Intel")
+
+
+_EMULATION_PROBE = """
+import os, subprocess, sys
+os.environ.pop("REPROTRAIN_TEST_ATEN_LEVEL", None)
+if sys.argv[1:]:
+    os.environ["REPROTRAIN_TEST_ATEN_LEVEL"] = sys.argv[1]
+import tests.conftest  # what every pytest process of the suite imports first
+import torch
+child = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+started = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+print(torch.backends.cpu.get_cpu_capability(), "ATEN_CPU_CAPABILITY" in os.environ,
+      started.stdout.strip())
+"""
+
+
+def test_the_emulated_aten_level_holds_in_pytest_processes_only() -> None:
+    """`make test-other-isa`: this process at another level, what it starts at the host's."""
+    probe = (sys.executable, "-c", _EMULATION_PROBE)
+    host = run_checked(*probe, cwd=ROOT, PYTHONPATH=str(ROOT)).split()
+    assert host[0] != "DEFAULT" and host[1] == "False" and host[2] == host[0]
+    emulated = run_checked(*probe, "default", cwd=ROOT, PYTHONPATH=str(ROOT)).split()
+    assert emulated == ["DEFAULT", "False", host[0]]
