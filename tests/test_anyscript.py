@@ -164,3 +164,31 @@ def test_pipeline_options_are_refused_with_a_command_and_command_options_without
     assert not (tmp_path / "runs").exists()  # refused before any run
     alone = run_cli("verify", "--output", "model.safetensors", cwd=tmp_path)
     assert alone.returncode == 2 and "--output: only with `-- CMD`" in alone.stderr
+
+
+BAD_TRACE = """
+import json, os, sys
+import numpy as np
+from safetensors.numpy import save_file
+out, run = sys.argv[1], int(os.environ["REPROTRAIN_RUN_INDEX"])
+save_file({"w": np.full(2, float(run))}, f"{out}/model.safetensors")
+meta = {"reprotrain": json.dumps({"format": "reprotrain.trace"})}  # says trace, is not one
+save_file({"step": np.arange(3)}, f"{out}/trace.safetensors", metadata=meta)
+if run == 1 and os.environ.get("TRUNCATE"):
+    data = open(f"{out}/trace.safetensors", "rb").read()
+    open(f"{out}/trace.safetensors", "wb").write(data[:-5])
+"""
+
+
+def test_a_trace_that_cannot_be_read_still_leaves_the_weights_verdict(tmp_path: Path) -> None:
+    outputs = {}
+    for name, env in (("truncated", {"TRUNCATE": "1"}), ("fake", {})):
+        done = _verify(tmp_path / name, script=BAD_TRACE, **env)
+        assert done.returncode == 1, done.stdout + done.stderr  # the weights differ: that decides
+        assert "  model.safetensors (safetensors): 1 of 1 tensors differ" in done.stdout
+        assert "Traceback" not in done.stderr
+        outputs[name] = done.stdout
+    run_1 = tmp_path / "truncated" / "runs" / "run-1" / "trace.safetensors"
+    assert f"  trace.safetensors (safetensors): unreadable: {run_1}: " in outputs["truncated"]
+    # the same bytes in both runs, a safetensors file, but no trace inside
+    assert "  trace.safetensors: not readable as a trace (" in outputs["fake"]

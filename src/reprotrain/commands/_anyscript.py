@@ -177,7 +177,8 @@ def verify_script(args: argparse.Namespace) -> int:
         "differing": {v.name: v.detail_lines() or [v.summary()] for v in differing},
     }
     if verdict == "NOT REPRODUCIBLE":
-        report.update(_locate(cmd, folders, names, base, args.ops_step))
+        readable = [v.name for v in verdicts if v.status != "unreadable"]
+        report.update(_locate(cmd, folders, readable, base, args.ops_step))
     if args.json:
         print(canonical_json(report), end="")
     else:
@@ -226,11 +227,16 @@ def _locate(
     step = ops_step
     traces = [n for n in names if _is_trace(folders[0] / n)]
     if traces:
-        diff = compare_traces(
-            load_trace(folders[0] / traces[0]), load_trace(folders[1] / traces[0])
-        )
-        out["trace"] = diff.to_text()
-        step = diff.first_step if diff.first_step is not None else step
+        from safetensors import SafetensorError
+
+        try:
+            loaded = [load_trace(folder / traces[0]) for folder in folders[:2]]
+        except (OSError, ValueError, KeyError, SafetensorError) as err:
+            out["trace"] = f"{traces[0]}: not readable as a trace ({err}); no step found"
+        else:
+            diff = compare_traces(*loaded)
+            out["trace"] = diff.to_text()
+            step = diff.first_step if diff.first_step is not None else step
     out["ops_step"] = step
     recorded = [f.with_name(f"{f.name}-ops") for f in folders[:2]]
     for index, folder in enumerate(recorded):
