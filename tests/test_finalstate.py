@@ -157,15 +157,30 @@ def test_a_gradient_changed_after_the_last_traced_step_is_found_by_the_final_sta
 def test_verify_finds_a_pid_dependent_gradient_at_the_last_step_in_the_trace_alone(
     tmp_path: Path,
 ) -> None:
+    """The issue's plant: the trace alone finds it; the .ckpt and the final state name it."""
     script = ROOT / "tests" / "scripts" / "late_fault_fit.py"
-    runs = []
-    for name, plant in (("clean", ()), ("plant", ("--plant",))):
-        runs.append(run_cli(
-            "verify", "--workdir", tmp_path / name, "--output", "trace.safetensors", "--",
+    ckpt = "checkpoints/epoch=0-step=38.ckpt"
+    runs = {}
+    for name, options, plant in (
+        ("clean", (), ()),  # every file it writes, the .ckpt with its own paths included
+        ("trace", ("--output", "trace.safetensors"), ("--plant",)),
+        ("weights", ("--output", ckpt, "--output", "final_state.safetensors"), ("--plant",)),
+    ):
+        runs[name] = run_cli(
+            "verify", "--workdir", tmp_path / name, *options, "--",
             sys.executable, script, "--out", "{out}", *plant, cwd=ROOT,
-        ))  # fmt: skip
-    clean, planted = runs
+        )  # fmt: skip
+    clean, trace, weights = runs["clean"], runs["trace"], runs["weights"]
     assert clean.returncode == 0, clean.stdout + clean.stderr
-    assert planted.returncode == 1, planted.stdout + planted.stderr
-    assert "traces diverge at step 33 (row 33): final differs first" in planted.stdout
-    assert "    final_state: differs" in planted.stdout.splitlines()
+    assert clean.stdout.startswith(f"reprotrain verify: IDENTICAL: 2 runs, {ckpt}, final_state")
+    assert trace.returncode == 1, trace.stdout + trace.stderr
+    assert "traces diverge at step 33 (row 33): final differs first" in trace.stdout
+    assert "    final_state: differs" in trace.stdout.splitlines()
+    assert weights.returncode == 1, weights.stdout + weights.stderr
+    lines = weights.stdout.splitlines()
+    assert any(line.startswith(f"  {ckpt} (checkpoint): ") for line in lines), lines
+    assert any(line.startswith("    state_dict/body.3.weight: different") for line in lines)
+    assert any(
+        line.startswith("    optimizer_states/0/state/4/exp_avg: different") for line in lines
+    )
+    assert any(line.startswith("    parameters/body.3.weight: different") for line in lines)

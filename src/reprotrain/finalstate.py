@@ -75,17 +75,17 @@ def final_fingerprints(state: dict[str, dict[str, torch.Tensor]]) -> list[int]:
 class FinalStateCallback(Callback):
     """Write the final parameters, buffers and optimizer state as safetensors at the end of fit.
 
-    ``path`` relative to the Trainer's ``default_root_dir`` unless absolute
-    (default ``final_state.safetensors``).
+    ``path``: where (relative to the working directory, as any path); default
+    ``final_state.safetensors`` in the Trainer's ``default_root_dir``.
     """
 
-    def __init__(self, path: str | Path = "final_state.safetensors") -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = None if path is None else Path(path)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        path = self.path if self.path.is_absolute() else Path(trainer.default_root_dir) / self.path
+        path = self.path or Path(trainer.default_root_dir) / "final_state.safetensors"
         write_final_state(path, pl_module, trainer.optimizers)
 
 

@@ -1,11 +1,15 @@
 """A user's 38-step Lightning fit whose only fault can come after the trace's last weights row.
 
-``--plant`` adds a value that depends on the process id to one gradient at
-step 37 only (``on_after_backward``): the trace samples weights every 32nd
+``--plant`` adds ``pid * 1e-7`` to one gradient at step 37 only
+(``on_after_backward``; the pid itself: two runs' pids can differ by a
+multiple of any small modulus, each run starting as many threads):
+the trace samples weights every 32nd
 step (0 and 32), and no later loss sees that last update, so only the final
 state shows it. The model has a BatchNorm (buffers) and trains with Adam
-(optimizer state). ``TraceCallback`` writes ``trace.safetensors`` and
-``FinalStateCallback`` writes ``final_state.safetensors`` under ``--out``.
+(optimizer state). ``TraceCallback`` writes ``trace.safetensors``,
+``FinalStateCallback`` writes ``final_state.safetensors`` and Lightning's
+``ModelCheckpoint`` ``checkpoints/epoch=0-step=38.ckpt`` (which holds its own
+folder) under ``--out``.
 Run it as ``reprotrain verify -- python tests/scripts/late_fault_fit.py --out {out}``.
 """
 
@@ -43,7 +47,7 @@ class Net(L.LightningModule):
     def on_after_backward(self) -> None:
         if self.plant and self.trainer.global_step == PLANT_STEP:
             with torch.no_grad():
-                self.body[0].bias.grad[0] += (os.getpid() % 97 + 1) * 1e-3  # FAULT late
+                self.body[3].weight.grad[0, 0] += os.getpid() * 1e-7  # FAULT late
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -61,7 +65,7 @@ def main() -> None:
         **settings.trainer_flags(),
         max_steps=STEPS,
         logger=False,
-        enable_checkpointing=False,
+        default_root_dir=args.out,  # ModelCheckpoint: checkpoints/epoch=0-step=38.ckpt
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[
