@@ -192,3 +192,30 @@ def test_a_trace_that_cannot_be_read_still_leaves_the_weights_verdict(tmp_path: 
     assert f"  trace.safetensors (safetensors): unreadable: {run_1}: " in outputs["truncated"]
     # the same bytes in both runs, a safetensors file, but no trace inside
     assert "  trace.safetensors: not readable as a trace (" in outputs["fake"]
+
+
+ONE_SIDED = """
+import os, sys
+import numpy as np
+from safetensors.numpy import save_file
+out, run = sys.argv[1], int(os.environ["REPROTRAIN_RUN_INDEX"])
+save_file({"w": np.zeros(2)}, f"{out}/model.safetensors")
+open(f"{out}/events.{os.getpid()}", "w").write("step 0\\n")  # as TensorBoard names its file
+if run == 0 and os.environ.get("EXTRA_WEIGHTS"):
+    save_file({"w": np.zeros(2)}, f"{out}/extra.safetensors")
+"""
+
+
+def test_a_file_only_one_run_wrote_is_a_verdict_not_an_error(tmp_path: Path) -> None:
+    done = _verify(tmp_path / "log", script=ONE_SIDED)
+    assert done.returncode == 4, done.stdout + done.stderr
+    one_sided = [line for line in done.stdout.splitlines() if "events." in line]
+    assert len(one_sided) == 2 and all(
+        "(file): differs (not written by run " in x for x in one_sided
+    )
+    weights = _verify(tmp_path / "weights", script=ONE_SIDED, EXTRA_WEIGHTS="1")
+    assert weights.returncode == 1, weights.stdout + weights.stderr
+    assert "  extra.safetensors (safetensors): not written by run 1" in weights.stdout
+    named = _verify(tmp_path / "named", "--output", "extra.safetensors", script=ONE_SIDED,
+                    EXTRA_WEIGHTS="1")  # fmt: skip
+    assert named.returncode == 2 and "the command did not write extra.safetensors" in named.stderr

@@ -20,7 +20,8 @@ records where it was written compares equal. The verdict's ``status`` is
 ``fields`` (every tensor equal, a non-tensor value differs), ``bytes`` (a
 file with no tensors differs) or ``unreadable`` (one of the two cannot be
 read as its kind; ``detail`` names the file and the reader's error). A file
-that differs only outside its tensors is never ``tensors``.
+that differs only outside its tensors is never ``tensors``. A file only one
+run wrote (:func:`one_sided`) is ``tensors`` when it holds tensors, else ``bytes``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any, Literal
 from reprotrain.hashing import METADATA_KEY
 from reprotrain.weightdiff import TensorDiff, compare_weights
 
-__all__ = ["FileVerdict", "compare_files", "file_kind"]
+__all__ = ["FileVerdict", "compare_files", "file_kind", "one_sided"]
 
 Kind = Literal["safetensors", "checkpoint", "file"]
 Status = Literal["identical", "tensors", "fields", "bytes", "unreadable"]
@@ -70,6 +71,8 @@ class FileVerdict:
         head = f"{self.name} ({self.kind})"
         if self.status == "identical":
             return f"{head}: identical{f' ({self.detail})' if self.detail else ''}"
+        if self.status == "tensors" and not self.tensors:  # written by one run only
+            return f"{head}: {self.detail}"
         if self.status == "tensors":
             return f"{head}: {len(self.tensors)} of {self.tensors_compared} tensors differ"
         if self.status == "fields":
@@ -157,6 +160,13 @@ def _reason(err: BaseException, kind: Kind) -> str:
     if kind == "checkpoint" and named:
         reason += " (torch.load(weights_only=True) runs no code from a file; save plain types)"
     return reason
+
+
+def one_sided(name: str, present: Path, absent: str) -> FileVerdict:
+    """A file one run wrote and ``absent`` did not: its tensors, if any, are missing."""
+    kind = _kind_or_file(present)
+    status: Status = "bytes" if kind == "file" else "tensors"
+    return FileVerdict(name, kind, status, detail=f"not written by {absent}")
 
 
 def _kind_or_file(path: Path) -> Kind:

@@ -5,7 +5,7 @@ run`` does (hash seed, cuBLAS workspace, optional CPU profile) with its own
 scratch folder: ``{out}`` in CMD is replaced by it and ``REPROTRAIN_OUT``
 names it; ``REPROTRAIN_RUN_INDEX`` is the run's number; a line on stderr says
 when each run starts and how long it took. The files the user names with
-``--output`` (default: every file the run wrote there) each get a verdict from
+``--output`` (default: every file any run wrote there) each get a verdict from
 :func:`reprotrain.filediff.compare_files` (tensors, checkpoints, any other
 file by bytes with the run's folder as ``{out}``); every other run is
 compared with run 0. When a tensor differs it goes down a level at a time:
@@ -43,7 +43,7 @@ from typing import Any
 
 from reprotrain.commands._rundiff import OPS_FOLDER
 from reprotrain.commands.run import command_of, launch_environment
-from reprotrain.filediff import FileVerdict, compare_files
+from reprotrain.filediff import FileVerdict, compare_files, one_sided
 from reprotrain.hashing import canonical_json
 from reprotrain.opalign import OpRecordError, compare_recordings
 from reprotrain.oprecord import DIR_VARIABLE, WINDOW_VARIABLE
@@ -74,13 +74,17 @@ def _start(cmd: list[str], folder: Path, index: int, base: dict[str, str], extra
         )
 
 
-def _outputs(folder: Path, named: list[str]) -> list[str]:
+def _outputs(folders: list[Path], named: list[str]) -> list[str]:
+    """The files named, else every file any run wrote (a log named by its pid is in one)."""
     if named:
         return named
     return sorted(
-        str(p.relative_to(folder))
-        for p in folder.rglob("*")
-        if p.is_file() and p.relative_to(folder).parts[0] != OPS_FOLDER
+        {
+            str(p.relative_to(folder))
+            for folder in folders
+            for p in folder.rglob("*")
+            if p.is_file() and p.relative_to(folder).parts[0] != OPS_FOLDER
+        }
     )
 
 
@@ -158,13 +162,13 @@ def verify_script(args: argparse.Namespace) -> int:
         )
     for index, folder in enumerate(folders):
         _timed_start(cmd, folder, index, base, {}, "run")
-    names = _outputs(folders[0], args.outputs)
+    names = _outputs(folders, args.outputs)
     if not names:
         raise DataError(
             f"`{shlex.join(cmd)}` wrote nothing under {{out}} ({folders[0]}), so nothing was "
             "compared: pass {out} to it (Hydra: hydra.run.dir={out}), or name files with --output"
         )
-    verdicts = [_worst_verdict(name, folders) for name in names]
+    verdicts = [_worst_verdict(name, folders, bool(args.outputs)) for name in names]
     verdict = overall_verdict(verdicts)
     differing = [v for v in verdicts if not v.identical]
     report: dict[str, Any] = {
@@ -186,11 +190,14 @@ def verify_script(args: argparse.Namespace) -> int:
     return EXIT_CODES[verdict]
 
 
-def _worst_verdict(name: str, folders: list[Path]) -> FileVerdict:
+def _worst_verdict(name: str, folders: list[Path], named: bool) -> FileVerdict:
     """``name`` in every run against run 0; the worst verdict of those comparisons."""
     paths = [f / name for f in folders]
-    if missing := [str(p) for p in paths if not p.is_file()]:
-        raise DataError(f"{missing[0]}: the command did not write {name}; fix --output")
+    if missing := [i for i, p in enumerate(paths) if not p.is_file()]:
+        if named:
+            raise DataError(f"{paths[missing[0]]}: the command did not write {name}; fix --output")
+        present = next(p for p in paths if p.is_file())
+        return one_sided(name, present, ", ".join(f"run {i}" for i in missing))
     pairs = zip(paths[1:], folders[1:], strict=True)
     found = [compare_files(name, paths[0], path, (folders[0], folder)) for path, folder in pairs]
     return min(found, key=lambda v: STATUS_RANK.index(v.status))
