@@ -219,3 +219,39 @@ def test_a_file_only_one_run_wrote_is_a_verdict_not_an_error(tmp_path: Path) -> 
     named = _verify(tmp_path / "named", "--output", "extra.safetensors", script=ONE_SIDED,
                     EXTRA_WEIGHTS="1")  # fmt: skip
     assert named.returncode == 2 and "the command did not write extra.safetensors" in named.stderr
+
+
+HYDRA_APP = """
+import logging, os
+import hydra
+import numpy as np
+from hydra.core.hydra_config import HydraConfig
+from safetensors.numpy import save_file
+
+@hydra.main(version_base=None, config_path=None)
+def main(cfg) -> None:
+    logging.getLogger(__name__).info("training")  # a timestamped line in the run's log
+    if os.environ.get("BOOM"):
+        raise ValueError("lr must be > 0")
+    save_file({"w": np.zeros(3)}, f"{HydraConfig.get().runtime.output_dir}/model.safetensors")
+
+main()
+"""
+
+
+def test_a_hydra_app_needs_its_run_dir_and_its_log_alone_differs(tmp_path: Path) -> None:
+    app = tmp_path / "app.py"
+    app.write_text(HYDRA_APP)
+    verify = ("verify", "--workdir", tmp_path / "runs", "--", sys.executable, app)
+    own_folder = run_cli(*verify, cwd=tmp_path)  # writes into outputs/<date>/<time>
+    assert own_folder.returncode == 2 and "hydra.run.dir={out}" in own_folder.stderr
+    verify = ("verify", "--workdir", tmp_path / "runs2", "--", sys.executable, app)
+    done = run_cli(*verify, "hydra.run.dir={out}", cwd=tmp_path)
+    assert done.returncode == 4, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[2].startswith("  app.log (file): differs (text, line 1: ")
+    # .hydra/hydra.yaml holds each run's folder: equal with the folder as {out}
+    assert lines[3].startswith("  identical: .hydra/config.yaml, .hydra/hydra.yaml")
+    verify = ("verify", "--workdir", tmp_path / "runs3", "--", sys.executable, app)
+    failed = run_cli(*verify, "hydra.run.dir={out}", cwd=tmp_path, BOOM="1")
+    assert failed.returncode == 2 and "(ValueError: lr must be > 0)" in failed.stderr
