@@ -31,10 +31,12 @@ import pickle
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from reprotrain.hashing import METADATA_KEY
-from reprotrain.weightdiff import TensorDiff, compare_weights
+
+if TYPE_CHECKING:  # torch loads only when two files differ (an identical verify stays fast)
+    from reprotrain.weightdiff import TensorDiff
 
 __all__ = ["FileVerdict", "compare_files", "file_kind", "one_sided"]
 
@@ -143,6 +145,8 @@ def compare_files(name: str, a: Path, b: Path, folders: tuple[Path, Path]) -> Fi
         except _read_errors(kind) as err:
             return FileVerdict(name, kind, "unreadable", detail=f"{path}: {_reason(err, kind)}")
         loaded.append((tensors, _placeheld(fields, folder), hashes))
+    from reprotrain.weightdiff import compare_weights
+
     (ta, fa, hashes), (tb, fb, _) = loaded
     diffs = [d for d in compare_weights(ta, tb) if not d.equal]
     fields = _field_diffs(fa, fb)

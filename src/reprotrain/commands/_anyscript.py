@@ -45,11 +45,8 @@ from reprotrain.commands._rundiff import OPS_FOLDER
 from reprotrain.commands.run import command_of, launch_environment
 from reprotrain.filediff import FileVerdict, compare_files, one_sided
 from reprotrain.hashing import canonical_json
-from reprotrain.opalign import OpRecordError, compare_recordings
-from reprotrain.oprecord import DIR_VARIABLE, WINDOW_VARIABLE
 from reprotrain.pipeline.arguments import DVC_YAML
 from reprotrain.pipeline.errors import DataError
-from reprotrain.tracediff import compare_traces
 from reprotrain.tracefile import is_trace_file, load_trace
 
 EXIT_DIFFERENT = 1
@@ -230,6 +227,11 @@ def _locate(
     cmd: list[str], folders: list[Path], names: list[str], base: dict, ops_step: int
 ) -> dict[str, Any]:
     """Down to the step (a trace among the outputs) and the op (a recording of that step)."""
+    # torch and Lightning: only when a tensor differs
+    from reprotrain.opalign import OpRecordError, compare_recordings
+    from reprotrain.oprecord import DIR_VARIABLE, WINDOW_VARIABLE
+    from reprotrain.tracediff import compare_traces
+
     out: dict[str, Any] = {}
     step = ops_step
     traces = [n for n in names if _is_trace(folders[0] / n)]
