@@ -98,6 +98,7 @@ def test_a_checkpoint_holding_a_class_is_refused_not_unpickled(tmp_path: Path) -
         torch.save({"when": Path(str(value))}, folder / "x.pt")
     verdict = compare_files("x.pt", a / "x.pt", b / "x.pt", (a, b))
     assert verdict.status == "unreadable" and "weights_only=True" in verdict.detail
+    assert verdict.detail.startswith(f"{a / 'x.pt'}: holds pathlib.")  # the class it refused
 
 
 def test_text_files_are_never_read_as_safetensors(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,13 +158,19 @@ def compare_files(name: str, a: Path, b: Path, folders: tuple[Path, Path]) -> Fi
 
 
 def _reason(err: BaseException, kind: Kind) -> str:
-    """The reader's error in one line; torch's refusal by the global it would not load."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    named = [line for line in lines if "Unsupported global" in line]
-    reason = (named or lines or [type(err).__name__])[0][:200]
-    if kind == "checkpoint" and named:
-        reason += " (torch.load(weights_only=True) runs no code from a file; save plain types)"
-    return reason
+    """The reader's error in one line; torch's refusal by the class it would not load."""
+    text = str(err)
+    if kind == "checkpoint" and (refused := _REFUSED.search(text)):
+        return (
+            f"holds {refused.group(1)}, which torch.load(weights_only=True) refuses (it runs no "
+            "code from a file): save plain types (a Hydra config: OmegaConf.to_container), or "
+            "compare FinalStateCallback's safetensors instead"
+        )
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines or [type(err).__name__])[0][:200]
+
+
+_REFUSED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 
 def one_sided(name: str, present: Path, absent: str) -> FileVerdict:
