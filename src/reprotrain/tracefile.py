@@ -57,7 +57,7 @@ class Trace:
     world_size: int = 1
     initial_per_rank: tuple[int, ...] = ()
     #: Per rank: fingerprints of the final parameters, buffers and optimizer state
-    #: (:data:`reprotrain.finalstate.FINAL_PARTS`), zeros for a trace written before fit
+    #: (:data:`FINAL_PARTS`), zeros for a trace written before fit
     #: ended; empty for a version 1 file.
     final_state: tuple[tuple[int, ...], ...] = ()
 
