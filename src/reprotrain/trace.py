@@ -31,9 +31,11 @@ per step at default detail, 1.6% of its 9.8 ms step (0.7-0.8 ms, 7%, before
 this scheme; 0.19-0.27 ms while the RNG states were read with the libraries'
 own getters, see :mod:`reprotrain.rngstate`).
 
-Limits: only trainable parameters (as of ``on_fit_start``); no buffers
-(BatchNorm statistics), optimizer state, non-tensor batch items or
-non-global generators (a DataLoader's own generator shows in the batch).
+At the end of fit ``final_state`` fingerprints every parameter, buffer and
+the optimizer state (:mod:`reprotrain.finalstate`): a divergence after the
+last weights row, or in a buffer, still shows. Limits: rows trace only
+trainable parameters; no non-tensor batch items or non-global generators
+(a DataLoader's own generator shows in the batch).
 
 Under DDP every rank traces its own rows (its batch, RNG state and loss;
 gradients as DDP leaves them, after the all-reduce, so a backward difference
@@ -69,6 +71,7 @@ from reprotrain.devicehash import (
     host_fingerprints,
 )
 from reprotrain.distributed import gather_from_ranks, own_entry
+from reprotrain.finalstate import FINAL_PARTS, final_fingerprints, final_state
 from reprotrain.hashing import safetensors_metadata
 from reprotrain.invariant import WorldSizeInvariantStrategy
 from reprotrain.rngstate import RngDigests, capture_rng, rng_states
@@ -143,6 +146,7 @@ class TraceCallback(Callback):
         self._host: list[list[int]] = []  # step, epoch, batch_idx, traced, rng, rng sources
         self._grads: torch.Tensor | list[int] | None = None
         self._gathered: list[dict[str, Any]] | None = None  # every rank's rows, at the end
+        self._final: list[int] | None = None  # the final state's fingerprints, at the end
         self._merge_ranks = isinstance(trainer.strategy, WorldSizeInvariantStrategy)
         if self._restored is not None:  # resuming: keep the rows of the steps already run
             self._continue(self._restored)
@@ -157,13 +161,16 @@ class TraceCallback(Callback):
     def _local_state(self) -> dict[str, Any]:
         self._flush()
         rows = np.concatenate(self._flushed) if self._flushed else np.zeros((0, 0), np.int64)
-        return {
+        state = {
             "settings": [self.detail, self.weights_every],
             "names": list(self._names),
             "initial": self._initial,
             "rows": torch.from_numpy(rows),
             "host": torch.tensor(self._host, dtype=torch.int64),
         }
+        if self._final is not None:
+            state["final"] = torch.tensor(self._final, dtype=torch.int64)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = state_dict
@@ -302,6 +309,7 @@ class TraceCallback(Callback):
         self._pending = []
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._final = final_fingerprints(final_state(pl_module, trainer.optimizers))
         self._gathered = gather_from_ranks(self._local_state())
         if trainer.is_global_zero and self.path is not None:
             self.write(self.path)
@@ -323,6 +331,8 @@ class TraceCallback(Callback):
             tensors["rank"].zero_()
             ranks = ranks[:1]
         tensors["initial_params"] = torch.tensor([s["initial"] for s in ranks], dtype=torch.int64)
+        unknown = torch.zeros(len(FINAL_PARTS), dtype=torch.int64)  # written before fit ended
+        tensors["final_state"] = torch.stack([s.get("final", unknown) for s in ranks])
         names = {"param_names": list(self._names), "rng_sources": list(self._rng_sources)}
         metadata = safetensors_metadata(
             {"format": FORMAT, "version": VERSION, "detail": self.detail, **names,

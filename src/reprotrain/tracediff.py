@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from reprotrain.atomic import atomic_path
-from reprotrain.tracefile import RECORDS, Trace
+from reprotrain.tracefile import FINAL_PARTS, RECORDS, Trace
 
 __all__ = ["DIAGNOSES", "TraceDiff", "compare_traces", "plot_losses"]
 
@@ -50,12 +50,13 @@ DIAGNOSES = {
     "grads": "non-deterministic kernel in the backward pass (same batch, RNG, parameters, loss)",
     "params": "optimizer: same gradients, different update",
     "length": "runs have different step counts; all common steps are identical",
+    "final": "every row matched, but the state the fits ended with differs",
     "world_size": "different world sizes: each rank trained on another share of the data, and "
     "gradients were averaged over another number of ranks; the runs are not comparable step "
     "by step (the run inputs name the change)",
 }
 #: The order a step computes its records in; at one step the earliest names the cause.
-_STEP_ORDER = ("schedule", *RECORDS, "length")
+_STEP_ORDER = ("schedule", *RECORDS, "length", "final")
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,28 @@ def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return unequal.any(axis=1) if unequal.ndim > 1 else unequal
 
 
+def _compare_final(a: Trace, b: Trace, traced: np.ndarray, base: dict[str, Any]) -> TraceDiff:
+    """Every row matched: does the state the fits ended with (a version 2 trace) match too?"""
+    known = a.final_state[:1] and b.final_state[:1] and any(a.final_state[0])
+    if not known or a.final_state[0] == b.final_state[0] or not a.num_steps:
+        return TraceDiff(identical=True, **base)
+    parts = [
+        p for p, x, y in zip(FINAL_PARTS, a.final_state[0], b.final_state[0], strict=True) if x != y
+    ]
+    last = np.flatnonzero(traced)
+    row = int(last[-1]) + 1 if last.size and last[-1] + 1 < a.num_steps else a.num_steps - 1
+    since, end = int(a.step[row]), int(a.step[-1])
+    diagnosis = (
+        f"{DIAGNOSES['final']} ({', '.join(parts)}): a divergence after the last row that "
+        f"traced weights (steps {since}-{end}; weights_every={a.weights_every}), or in a "
+        "buffer or the optimizer state, which the rows do not trace"
+    )
+    return TraceDiff(
+        False, **base, first_step=since, first_row=row, record="final", diagnosis=diagnosis,
+        tensor=", ".join(parts), records_differing=("final",),
+    )  # fmt: skip
+
+
 def _kernel_diagnosis(
     a: Trace, record: str, row: int, traced: np.ndarray, params_differ: np.ndarray, initial: bool
 ) -> str:
@@ -195,7 +218,7 @@ def _compare_rank(a: Trace, b: Trace) -> TraceDiff:
     any_row = np.logical_or.reduce(list(differs.values()))
     if not any_row.any():
         if a.num_steps == b.num_steps:
-            return TraceDiff(identical=True, **base)
+            return _compare_final(a, b, traced, base)
         longer = a if a.num_steps > common else b
         return TraceDiff(
             False,

@@ -24,7 +24,11 @@ from reprotrain.hashing import load_safetensors, read_safetensors_metadata
 Detail = Literal["default", "full"]
 #: Per-row records, in the order a step computes them (and compare checks them).
 RECORDS = ("batch", "rng", "loss", "grads", "params")
-FORMAT, VERSION = "reprotrain.trace", 1
+#: The final state's parts, in the order of the ``final_state`` columns (finalstate).
+FINAL_PARTS = ("parameters", "buffers", "optimizer")
+#: Version 2 added ``final_state``; version 1 files still load (without it).
+FORMAT, VERSION = "reprotrain.trace", 2
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,10 @@ class Trace:
     rank: np.ndarray | None = None
     world_size: int = 1
     initial_per_rank: tuple[int, ...] = ()
+    #: Per rank: fingerprints of the final parameters, buffers and optimizer state
+    #: (:data:`FINAL_PARTS`), zeros for a trace written before fit
+    #: ended; empty for a version 1 file.
+    final_state: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_steps(self) -> int:
@@ -69,9 +77,10 @@ class Trace:
         }
         records = {name: values[rows] for name, values in self.records.items()}
         initial = self.initial_per_rank[rank] if self.initial_per_rank else self.initial_params
+        final = self.final_state[rank : rank + 1]
         return dataclasses.replace(
             self, **arrays, records=records, world_size=1, initial_params=initial,
-            initial_per_rank=(initial,),
+            initial_per_rank=(initial,), final_state=final,
         )  # fmt: skip
 
 
@@ -83,12 +92,13 @@ def is_trace_file(path: str | Path) -> bool:
 def load_trace(path: str | Path) -> Trace:
     """Read a file written by :class:`TraceCallback`; ``ValueError`` if it is not one."""
     tensors, meta = load_safetensors(path)
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    if meta.get("format") != FORMAT or meta.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"{path}: not a reprotrain trace (version {VERSION}) file")
     arrays = {name: tensor.numpy() for name, tensor in tensors.items()}
     for values in arrays.values():
         values.flags.writeable = False
     initial = arrays.pop("initial_params")
+    final = arrays.pop("final_state", np.zeros((0, 3), np.int64))
     arrays.setdefault("rank", np.zeros(len(arrays["step"]), np.int64))  # written before DDP
     return Trace(
         detail=meta["detail"],
@@ -99,5 +109,6 @@ def load_trace(path: str | Path) -> Trace:
         rng_sources=tuple(meta["rng_sources"]),
         world_size=int(meta.get("world_size", 1)),
         initial_per_rank=tuple(int(v) for v in initial),
+        final_state=tuple(tuple(int(v) for v in row) for row in final),
         **arrays,
     )

@@ -3,11 +3,14 @@
 Runs CMD ``--runs`` times, each in a fresh process started like ``reprotrain
 run`` does (hash seed, cuBLAS workspace, optional CPU profile) with its own
 scratch folder: ``{out}`` in CMD is replaced by it and ``REPROTRAIN_OUT``
-names it; ``REPROTRAIN_RUN_INDEX`` is the run's number. The files the user
-names with ``--output`` (default: every file the run wrote there) are
-compared by sha256. On a difference it goes down a level at a time:
+names it; ``REPROTRAIN_RUN_INDEX`` is the run's number; a line on stderr says
+when each run starts and how long it took. The files the user names with
+``--output`` (default: every file any run wrote there) each get a verdict from
+:func:`reprotrain.filediff.compare_files` (tensors, checkpoints, any other
+file by bytes with the run's folder as ``{out}``); every other run is
+compared with run 0. When a tensor differs it goes down a level at a time:
 
-1. per tensor, for safetensors weights (:mod:`reprotrain.weightdiff`);
+1. which tensors differ, by how much (a trace's fingerprints: which differ);
 2. the first diverging step, when a trace (:class:`~reprotrain.trace.TraceCallback`)
    is among the outputs (:mod:`reprotrain.tracediff`);
 3. the first diverging op: runs 0 and 1 again with ``REPROTRAIN_RECORD_OPS``
@@ -16,36 +19,37 @@ compared by sha256. On a difference it goes down a level at a time:
    :func:`~reprotrain.oprecord.record_step` read, and aligns the two
    recordings (:mod:`reprotrain.opalign`).
 
-Exit 0 identical; 1 different (the scratch folders are kept); 2 bad input
-(no command, a run that failed: its log is named).
+Exit codes (:data:`EXIT_CODES`), worst file first: 1 NOT REPRODUCIBLE (a
+tensor differs; the scratch folders are kept); 5 UNREADABLE (a file cannot be
+read as its kind, named with the reader's error); 4 DIFFERS OUTSIDE TENSORS
+(every tensor equal; a log, a config or a checkpoint's other field differs);
+0 IDENTICAL. 2 bad input, one line: no command; an option that only the
+pipeline's runs take; a run that failed (its error line and its log); a
+command that wrote nothing under ``{out}``; an ``--output`` a run did not write.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from reprotrain.commands._rundiff import OPS_FOLDER
 from reprotrain.commands.run import command_of, launch_environment
-from reprotrain.hashing import (
-    canonical_json,
-    load_safetensors,
-    sha256_file,
-)
-from reprotrain.opalign import OpRecordError, compare_recordings
-from reprotrain.oprecord import DIR_VARIABLE, WINDOW_VARIABLE
+from reprotrain.filediff import FileVerdict, compare_files, one_sided
+from reprotrain.hashing import canonical_json
+from reprotrain.pipeline.arguments import DVC_YAML
 from reprotrain.pipeline.errors import DataError
-from reprotrain.tracediff import compare_traces
 from reprotrain.tracefile import is_trace_file, load_trace
-from reprotrain.weightdiff import compare_weights
 
 EXIT_DIFFERENT = 1
 
@@ -63,7 +67,7 @@ def _start(cmd: list[str], folder: Path, index: int, base: dict[str, str], extra
             raise DataError(f"{cmd[0]}: {err.strerror}; check the command after `--`") from None
     if done.returncode != 0:
         text = log.read_text(errors="replace")
-        tail = text.strip().splitlines()[-1:] or ["(no output)"]
+        tail = [failure_line(text)]
         raise DataError(
             f"run {index} of `{shlex.join(cmd)}` exited {done.returncode} ({tail[0][:200]}); "
             f"see {log}{_interpreter_hint(text, argv[0], env)}"
@@ -81,13 +85,17 @@ def _interpreter_hint(log: str, program: str, env: Mapping[str, str]) -> str:
     )
 
 
-def _outputs(folder: Path, named: list[str]) -> list[str]:
+def _outputs(folders: list[Path], named: list[str]) -> list[str]:
+    """The files named, else every file any run wrote (a log named by its pid is in one)."""
     if named:
         return named
     return sorted(
-        str(p.relative_to(folder))
-        for p in folder.rglob("*")
-        if p.is_file() and p.relative_to(folder).parts[0] != OPS_FOLDER
+        {
+            str(p.relative_to(folder))
+            for folder in folders
+            for p in folder.rglob("*")
+            if p.is_file() and p.relative_to(folder).parts[0] != OPS_FOLDER
+        }
     )
 
 
@@ -98,16 +106,61 @@ def _is_trace(path: Path) -> bool:
         return False
 
 
-def _tensor_lines(a: Path, b: Path) -> list[str]:
-    try:
-        diffs = compare_weights(load_safetensors(a)[0], load_safetensors(b)[0])
-    except (OSError, ValueError):
-        return []
-    return [d.to_text() for d in diffs if not d.equal]
+def failure_line(log: str) -> str:
+    """A failed run's error: the last traceback's final line, else a line naming an exception."""
+    lines = [line.rstrip() for line in log.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call")]
+    if starts:
+        after = lines[starts[-1] + 1 :]
+        # the frames are indented; the exception is the first line that is not
+        found = next((line for line in after if line and not line[0].isspace()), None)
+        if found:
+            return found
+    named = next((line for line in lines if _EXCEPTION.search(line)), None)
+    return named or next((line for line in reversed(lines) if line.strip()), "(no output)")
+
+
+_EXCEPTION = re.compile(r"\b(?:[A-Z]\w*)?(?:Error|Exception)\b")
+
+
+def refuse_pipeline_options(args: argparse.Namespace) -> None:
+    """Options that set up the pipeline's own runs mean nothing to a command: one line, exit 2."""
+    given = {
+        "--jobs": args.jobs != 1,
+        "-S": bool(args.overrides),
+        "--against": args.against is not None,
+        "--world-sizes": args.world_sizes is not None,
+        "--reference": args.reference is not None,
+        "--dvc-yaml": args.dvc_yaml != DVC_YAML,
+    }
+    if named := [flag for flag, on in given.items() if on]:
+        raise DataError(
+            f"{', '.join(named)}: not with `-- CMD` (they set up the pipeline's own runs); "
+            "drop them, or pass the command's own options after `--`"
+        )
+
+
+def _timed_start(
+    cmd: list[str], folder: Path, index: int, base: dict[str, str], extra: dict, what: str
+) -> None:
+    """``_start``, with a line when the run starts and one when it ends (stderr: --json stays)."""
+    began = time.monotonic()
+    print(
+        f"reprotrain verify: {what} {index} started at {time.strftime('%H:%M:%S')} ({folder})",
+        file=sys.stderr,
+        flush=True,
+    )
+    _start(cmd, folder, index, base, extra)
+    print(
+        f"reprotrain verify: {what} {index} finished in {time.monotonic() - began:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def verify_script(args: argparse.Namespace) -> int:
     cmd = command_of(args, "verify")
+    refuse_pipeline_options(args)
     if args.runs < 2:
         raise DataError(f"--runs {args.runs}: give 2 or more runs to compare")
     base = launch_environment(args, os.environ)
@@ -119,48 +172,99 @@ def verify_script(args: argparse.Namespace) -> int:
             "name an empty or new folder (verify never deletes runs)"
         )
     for index, folder in enumerate(folders):
-        _start(cmd, folder, index, base, {})
-    names = _outputs(folders[0], args.outputs)
-    report: dict[str, Any] = {"command": shlex.join(cmd), "runs": args.runs, "outputs": names}
-    differing: dict[str, list[str]] = {}
-    for name in names:
-        paths = [f / name for f in folders]
-        if missing := [str(p) for p in paths if not p.is_file()]:
-            raise DataError(f"{missing[0]}: the command did not write {name}; fix --output")
-        first = sha256_file(paths[0])
-        for other in paths[1:]:
-            if sha256_file(other) != first:
-                differing[name] = _tensor_lines(paths[0], other)
-                break
-    report["identical"] = not differing
-    report["differing"] = differing
-    if differing:
-        report.update(_locate(cmd, folders, names, base, args.ops_step))
+        _timed_start(cmd, folder, index, base, {}, "run")
+    names = _outputs(folders, args.outputs)
+    if not names:
+        raise DataError(
+            f"`{shlex.join(cmd)}` wrote nothing under {{out}} ({folders[0]}), so nothing was "
+            "compared: pass {out} to it (Hydra: hydra.run.dir={out}), or name files with --output"
+        )
+    verdicts = [_worst_verdict(name, folders, bool(args.outputs)) for name in names]
+    verdict = overall_verdict(verdicts)
+    differing = [v for v in verdicts if not v.identical]
+    report: dict[str, Any] = {
+        "command": shlex.join(cmd),
+        "runs": args.runs,
+        "outputs": names,
+        "verdict": verdict,
+        "identical": verdict == "IDENTICAL",
+        "files": [v.to_dict() for v in verdicts],
+        "differing": {v.name: v.detail_lines() or [v.summary()] for v in differing},
+    }
+    if verdict == "NOT REPRODUCIBLE":
+        readable = [v.name for v in verdicts if v.status != "unreadable"]
+        report.update(_locate(cmd, folders, readable, base, args.ops_step))
     if args.json:
         print(canonical_json(report), end="")
     else:
-        print(_text(report, workdir))
-    return 0 if not differing else EXIT_DIFFERENT
+        print(_text(report, verdicts, workdir))
+    return EXIT_CODES[verdict]
+
+
+def _worst_verdict(name: str, folders: list[Path], named: bool) -> FileVerdict:
+    """``name`` in every run against run 0; the worst verdict of those comparisons."""
+    paths = [f / name for f in folders]
+    if missing := [i for i, p in enumerate(paths) if not p.is_file()]:
+        if named:
+            raise DataError(f"{paths[missing[0]]}: the command did not write {name}; fix --output")
+        present = next(p for p in paths if p.is_file())
+        return one_sided(name, present, ", ".join(f"run {i}" for i in missing))
+    pairs = zip(paths[1:], folders[1:], strict=True)
+    found = [compare_files(name, paths[0], path, (folders[0], folder)) for path, folder in pairs]
+    return min(found, key=lambda v: STATUS_RANK.index(v.status))
+
+
+#: File statuses, worst first; the worst of all files decides the verdict.
+STATUS_RANK = ("tensors", "unreadable", "fields", "bytes", "identical")
+#: Verdict -> exit code. 2 (bad input) and 3 (determinism) are the CLI's own.
+EXIT_CODES = {
+    "IDENTICAL": 0,
+    "NOT REPRODUCIBLE": EXIT_DIFFERENT,
+    "DIFFERS OUTSIDE TENSORS": 4,
+    "UNREADABLE": 5,
+}
+
+
+def overall_verdict(verdicts: list[FileVerdict]) -> str:
+    """NOT REPRODUCIBLE if a tensor differs; else UNREADABLE; else DIFFERS OUTSIDE TENSORS."""
+    statuses = {v.status for v in verdicts}
+    if "tensors" in statuses:
+        return "NOT REPRODUCIBLE"
+    if "unreadable" in statuses:
+        return "UNREADABLE"
+    if statuses & {"fields", "bytes"}:
+        return "DIFFERS OUTSIDE TENSORS"
+    return "IDENTICAL"
 
 
 def _locate(
     cmd: list[str], folders: list[Path], names: list[str], base: dict, ops_step: int
 ) -> dict[str, Any]:
     """Down to the step (a trace among the outputs) and the op (a recording of that step)."""
+    # torch and Lightning: only when a tensor differs
+    from reprotrain.opalign import OpRecordError, compare_recordings
+    from reprotrain.oprecord import DIR_VARIABLE, WINDOW_VARIABLE
+    from reprotrain.tracediff import compare_traces
+
     out: dict[str, Any] = {}
     step = ops_step
     traces = [n for n in names if _is_trace(folders[0] / n)]
     if traces:
-        diff = compare_traces(
-            load_trace(folders[0] / traces[0]), load_trace(folders[1] / traces[0])
-        )
-        out["trace"] = diff.to_text()
-        step = diff.first_step if diff.first_step is not None else step
+        from safetensors import SafetensorError
+
+        try:
+            loaded = [load_trace(folder / traces[0]) for folder in folders[:2]]
+        except (OSError, ValueError, KeyError, SafetensorError) as err:
+            out["trace"] = f"{traces[0]}: not readable as a trace ({err}); no step found"
+        else:
+            diff = compare_traces(*loaded)
+            out["trace"] = diff.to_text()
+            step = diff.first_step if diff.first_step is not None else step
     out["ops_step"] = step
     recorded = [f.with_name(f"{f.name}-ops") for f in folders[:2]]
     for index, folder in enumerate(recorded):
         extra = {WINDOW_VARIABLE: str(step), DIR_VARIABLE: str(folder / OPS_FOLDER)}
-        _start(cmd, folder, index, base, extra)
+        _timed_start(cmd, folder, index, base, extra, "ops rerun")
     ops = [folder / OPS_FOLDER for folder in recorded]
     if not all(p.is_dir() for p in ops):
         out["ops"] = (
@@ -183,17 +287,33 @@ def _locate(
     return out
 
 
-def _text(report: dict[str, Any], workdir: Path) -> str:
-    if report["identical"]:
-        files = ", ".join(report["outputs"]) or "no files"
-        return f"reprotrain verify: IDENTICAL: {report['runs']} runs, {files}"
-    lines = [f"reprotrain verify: NOT REPRODUCIBLE: {report['command']}"]
-    for name, tensors in report["differing"].items():
-        lines.append(f"  {name} differs")
-        lines += [f"    {t}" for t in tensors[:8]]
+#: Rows of a file's differences printed before "and N more".
+ROWS = 8
+
+
+def _text(report: dict[str, Any], verdicts: list[FileVerdict], workdir: Path) -> str:
+    verdict = report["verdict"]
+    if verdict == "IDENTICAL":
+        return (
+            f"reprotrain verify: IDENTICAL: {report['runs']} runs, {', '.join(report['outputs'])}"
+        )
+    lines = [f"reprotrain verify: {verdict}: {report['command']}"]
+    if verdict == "DIFFERS OUTSIDE TENSORS":
+        lines.append("  every tensor is equal; these files differ outside tensors:")
+    for v in verdicts:
+        if v.identical:
+            continue
+        lines.append(f"  {v.summary()}")
+        rows = v.detail_lines()
+        lines += [f"    {row}" for row in rows[:ROWS]]
+        if len(rows) > ROWS:
+            lines.append(f"    ... and {len(rows) - ROWS} more")
+    if same := [v.name for v in verdicts if v.identical]:
+        lines.append(f"  identical: {', '.join(same)}")
     if "trace" in report:
         lines += [f"  {line}" for line in report["trace"].splitlines()]
-    lines.append(f"  ops of step {report['ops_step']}:")
-    lines += [f"    {line}" for line in report["ops"].splitlines()]
+    if "ops" in report:
+        lines.append(f"  ops of step {report['ops_step']}:")
+        lines += [f"    {line}" for line in report["ops"].splitlines()]
     lines.append(f"  runs kept in {workdir}")
     return "\n".join(lines)

@@ -72,6 +72,12 @@ PARAMS: tuple[str, ...] = ()
 EXIT_DIFFERENT = 1
 #: Trace records whose difference, with the same batch, RNG and weights, blames a kernel.
 KERNEL_RECORDS = ("loss", "grads")
+#: Options of ``verify -- CMD`` that the pipeline's own runs refuse (default: not given).
+_SCRIPT_ONLY = {
+    "--output": lambda args: bool(args.outputs),
+    "--ops-step": lambda args: args.ops_step != 0,
+    "--cpu-profile": lambda args: args.cpu_profile is not None,
+}
 
 
 def run(_: object, args: argparse.Namespace) -> int:
@@ -79,6 +85,11 @@ def run(_: object, args: argparse.Namespace) -> int:
         from reprotrain.commands._anyscript import verify_script
 
         return verify_script(args)
+    if named := [flag for flag, on in _SCRIPT_ONLY.items() if on(args)]:
+        raise DataError(
+            f"{', '.join(named)}: only with `-- CMD` (a command's own runs); the pipeline's "
+            "runs compare its model and trace"
+        )
     if args.reference is not None:
         return check_reference(args.reference, args.workdir)
     if args.world_sizes is not None and (len(args.world_sizes) < 2 or min(args.world_sizes) < 1):

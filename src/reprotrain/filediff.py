@@ -1,0 +1,315 @@
+"""Two files of any kind, one from each run folder, compared to one verdict.
+
+Files with the same bytes are ``identical`` without being read. Otherwise the
+file is read as its kind:
+
+* ``safetensors`` (found by its header, whatever the name): tensor by tensor
+  (:func:`reprotrain.weightdiff.compare_weights`), then the metadata by key;
+  a trace (:class:`~reprotrain.trace.TraceCallback`) holds fingerprints, so
+  its rows say "differs" with no magnitude;
+* ``checkpoint`` (``.ckpt``, ``.pt``, ``.pth``, or a ``torch.save`` zip):
+  ``torch.load(weights_only=True)`` (no code from the file runs), every tensor
+  found by its key path (``state_dict/…``, ``optimizer_states/0/state/0/exp_avg``,
+  loops' counters) compared as above, every other value by its ``repr``;
+* ``file``: any other file, by bytes; a text file names its first differing line.
+
+Before comparing, each run's own folder path (as given and resolved) is
+replaced by ``{out}`` in strings and bytes, so a config or a checkpoint that
+records where it was written compares equal. The verdict's ``status`` is
+``identical``, ``tensors`` (a tensor differs: value, dtype, shape, missing),
+``fields`` (every tensor equal, a non-tensor value differs), ``bytes`` (a
+file with no tensors differs) or ``unreadable`` (one of the two cannot be
+read as its kind; ``detail`` names the file and the reader's error). A file
+that differs only outside its tensors is never ``tensors``. A file only one
+run wrote (:func:`one_sided`) is ``tensors`` when it holds tensors, else ``bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from reprotrain.hashing import METADATA_KEY
+
+if TYPE_CHECKING:  # torch loads only when two files differ (an identical verify stays fast)
+    from reprotrain.weightdiff import TensorDiff
+
+__all__ = ["FileVerdict", "compare_files", "file_kind", "one_sided"]
+
+Kind = Literal["safetensors", "checkpoint", "file"]
+Status = Literal["identical", "tensors", "fields", "bytes", "unreadable"]
+PLACEHOLDER = "{out}"
+CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
+_CHUNK = 1 << 20
+#: What a reader raises for a file that is not what it should be (safetensors' own error
+#: is neither OSError nor ValueError; torch.load raises RuntimeError for a bad zip).
+_TORCH_READ_ERRORS = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError)
+
+
+@dataclass(frozen=True)
+class FileVerdict:
+    """One file of two runs; ``tensors``/``fields`` list only what differs."""
+
+    name: str
+    kind: Kind
+    status: Status
+    tensors_compared: int = 0
+    tensors: list[TensorDiff] = field(default_factory=list)
+    fields: list[str] = field(default_factory=list)
+    detail: str = ""
+    #: The tensors are fingerprints (a trace): a difference has no magnitude.
+    hashes: bool = False
+
+    @property
+    def identical(self) -> bool:
+        return self.status == "identical"
+
+    def summary(self) -> str:
+        """One line: the file, its kind and its verdict."""
+        head = f"{self.name} ({self.kind})"
+        if self.status == "identical":
+            return f"{head}: identical{f' ({self.detail})' if self.detail else ''}"
+        if self.status == "tensors" and not self.tensors:  # written by one run only
+            return f"{head}: {self.detail}"
+        if self.status == "tensors":
+            return f"{head}: {len(self.tensors)} of {self.tensors_compared} tensors differ"
+        if self.status == "fields":
+            return (
+                f"{head}: all {self.tensors_compared} tensors equal; "
+                f"{len(self.fields)} other fields differ"
+            )
+        if self.status == "bytes":
+            return f"{head}: differs ({self.detail})"
+        return f"{head}: unreadable: {self.detail}"
+
+    def detail_lines(self) -> list[str]:
+        """What differs, a line each: tensors first, then other fields."""
+        rows = [_tensor_text(d, self.hashes) for d in self.tensors]
+        return rows + self.fields
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "status": self.status,
+            "tensors_compared": self.tensors_compared,
+            "differing": self.detail_lines(),
+            "detail": self.detail,
+        }
+
+
+def _tensor_text(diff: TensorDiff, hashes: bool) -> str:
+    if hashes and diff.status == "different":
+        return f"{diff.name}: differs"
+    return diff.to_text()
+
+
+def file_kind(path: Path) -> Kind:
+    """How a file is read: by its safetensors header, its suffix, or a torch.save zip."""
+    if _has_safetensors_header(path):
+        return "safetensors"
+    if path.suffix in CHECKPOINT_SUFFIXES:
+        return "checkpoint"
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            if any(n.endswith("/data.pkl") for n in archive.namelist()):
+                return "checkpoint"
+    return "file"
+
+
+def _has_safetensors_header(path: Path) -> bool:
+    with path.open("rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        return 1 < size <= min(100_000_000, path.stat().st_size - 8) and handle.read(1) == b"{"
+
+
+def compare_files(name: str, a: Path, b: Path, folders: tuple[Path, Path]) -> FileVerdict:
+    """The verdict on ``a`` and ``b``, each from its run folder in ``folders``."""
+    if _same_bytes(a, b):
+        return FileVerdict(name, _kind_or_file(a), "identical")
+    try:
+        kind = file_kind(a)
+    except OSError as err:
+        return FileVerdict(name, "file", "unreadable", detail=f"{a}: {err.strerror}")
+    if kind == "file":
+        return _compare_bytes(name, a, b, folders)
+    reader = _read_safetensors if kind == "safetensors" else _read_checkpoint
+    loaded = []
+    for path, folder in zip((a, b), folders, strict=True):
+        try:
+            tensors, fields, hashes = reader(path)
+        except _read_errors(kind) as err:
+            return FileVerdict(name, kind, "unreadable", detail=f"{path}: {_reason(err, kind)}")
+        loaded.append((tensors, _placeheld(fields, folder), hashes))
+    from reprotrain.weightdiff import compare_weights
+
+    (ta, fa, hashes), (tb, fb, _) = loaded
+    diffs = [d for d in compare_weights(ta, tb) if not d.equal]
+    fields = _field_diffs(fa, fb)
+    compared = len(set(ta) | set(tb))
+    status: Status = "tensors" if diffs else "fields" if fields else "identical"
+    detail = "same tensors and fields; the bytes differ" if status == "identical" else ""
+    return FileVerdict(name, kind, status, compared, diffs, fields, detail, hashes)
+
+
+def _reason(err: BaseException, kind: Kind) -> str:
+    """The reader's error in one line; torch's refusal by the class it would not load."""
+    text = str(err)
+    if kind == "checkpoint" and (refused := _REFUSED.search(text)):
+        return (
+            f"holds {refused.group(1)}, which torch.load(weights_only=True) refuses (it runs no "
+            "code from a file): save plain types (a Hydra config: OmegaConf.to_container), or "
+            "compare FinalStateCallback's safetensors instead"
+        )
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines or [type(err).__name__])[0][:200]
+
+
+_REFUSED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def one_sided(name: str, present: Path, absent: str) -> FileVerdict:
+    """A file one run wrote and ``absent`` did not: its tensors, if any, are missing."""
+    kind = _kind_or_file(present)
+    status: Status = "bytes" if kind == "file" else "tensors"
+    return FileVerdict(name, kind, status, detail=f"not written by {absent}")
+
+
+def _kind_or_file(path: Path) -> Kind:
+    try:
+        return file_kind(path)
+    except OSError:
+        return "file"
+
+
+def _read_errors(kind: Kind) -> tuple[type[BaseException], ...]:
+    if kind == "safetensors":
+        from safetensors import SafetensorError
+
+        return (OSError, ValueError, SafetensorError)
+    return _TORCH_READ_ERRORS
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with a.open("rb") as ha, b.open("rb") as hb:
+        while chunk := ha.read(_CHUNK):
+            if chunk != hb.read(_CHUNK):
+                return False
+    return True
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    from safetensors import safe_open
+
+    from reprotrain.tracefile import FORMAT
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata() or {})
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    fields = {f"metadata/{key}": value for key, value in metadata.items()}
+    try:
+        ours = json.loads(metadata.get(METADATA_KEY, "{}"))
+    except json.JSONDecodeError:
+        ours = {}
+    return tensors, fields, isinstance(ours, dict) and ours.get("format") == FORMAT
+
+
+def _read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    import torch
+
+    loaded = torch.load(path, map_location="cpu", weights_only=True)
+    tensors: dict[str, Any] = {}
+    fields: dict[str, Any] = {}
+    _flatten(loaded, "", tensors, fields, torch.Tensor)
+    return tensors, fields, False
+
+
+def _flatten(value: Any, key: str, tensors: dict, fields: dict, tensor_type: type) -> None:
+    """Every tensor and every other leaf of nested dicts and lists, by key path."""
+    if isinstance(value, tensor_type):
+        tensors[key or "(tensor)"] = value
+    elif isinstance(value, dict) and value:
+        for k, v in value.items():
+            _flatten(v, f"{key}/{k}" if key else str(k), tensors, fields, tensor_type)
+    elif isinstance(value, list | tuple) and value:
+        for i, v in enumerate(value):
+            _flatten(v, f"{key}/{i}" if key else str(i), tensors, fields, tensor_type)
+    else:
+        fields[key or "(value)"] = value
+
+
+def _folder_spellings(folder: Path) -> list[str]:
+    spellings = {str(folder), str(folder.resolve())}
+    return sorted(spellings, key=len, reverse=True)  # the longer first: one may contain the other
+
+
+def _placeheld(fields: dict[str, Any], folder: Path) -> dict[str, str]:
+    """Each value's repr, with the run's own folder written as ``{out}``."""
+    out = {}
+    for key, value in fields.items():
+        text = value if isinstance(value, str) else repr(value)
+        for spelling in _folder_spellings(folder):
+            text = text.replace(spelling, PLACEHOLDER)
+        out[key] = repr(text) if isinstance(value, str) else text
+    return out
+
+
+def _field_diffs(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key not in b:
+            out.append(f"{key}: missing (not in b)")
+        elif key not in a:
+            out.append(f"{key}: extra (not in a)")
+        elif a[key] != b[key]:
+            out.append(f"{key}: {_clip(a[key])} vs {_clip(b[key])}")
+    return out
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return repr(_clip(text, limit))
+
+
+def _compare_bytes(name: str, a: Path, b: Path, folders: tuple[Path, Path]) -> FileVerdict:
+    """Bytes with each run's folder as ``{out}``; a text file names its first differing line."""
+    contents = []
+    for path, folder in zip((a, b), folders, strict=True):
+        data = path.read_bytes()
+        for spelling in _folder_spellings(folder):
+            data = data.replace(spelling.encode(), PLACEHOLDER.encode())
+        contents.append(data)
+    da, db = contents
+    if da == db:
+        return FileVerdict(
+            name, "file", "identical", detail="equal once each run's folder is {out}"
+        )
+    try:
+        lines_a, lines_b = da.decode().splitlines(), db.decode().splitlines()
+    except UnicodeDecodeError:
+        at = next(
+            (i for i, (x, y) in enumerate(zip(da, db, strict=False)) if x != y),
+            min(len(da), len(db)),
+        )
+        return FileVerdict(
+            name, "file", "bytes", detail=f"{len(da)} vs {len(db)} bytes, first at byte {at}"
+        )
+    at = next(
+        (i for i, (x, y) in enumerate(zip(lines_a, lines_b, strict=False)) if x != y),
+        min(len(lines_a), len(lines_b)),
+    )
+    line_a = lines_a[at] if at < len(lines_a) else "(no line)"
+    line_b = lines_b[at] if at < len(lines_b) else "(no line)"
+    return FileVerdict(
+        name, "file", "bytes", detail=f"text, line {at + 1}: {_short(line_a)} vs {_short(line_b)}"
+    )

@@ -1,0 +1,257 @@
+"""``reprotrain verify -- CMD`` on small plain scripts: a verdict for every file, its own exit code.
+
+Each script is written by the test and runs in seconds; the weights come from
+safetensors' NumPy writer, so no run imports torch unless the test needs a
+``torch.save`` checkpoint. Exit codes: 0 IDENTICAL, 1 NOT REPRODUCIBLE,
+2 bad input, 4 DIFFERS OUTSIDE TENSORS, 5 UNREADABLE.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from reprotrain.commands._anyscript import failure_line
+from tests.helpers import run_cli
+
+#: Writes weights (10 tensors, the last ``DIFFER`` of them shifted by the run's number),
+#: a log (the run's number in it when ``LOG`` is set) and a config naming the run folder.
+SCRIPT = """
+import os, sys
+import numpy as np
+from safetensors.numpy import save_file
+out, run = sys.argv[1], int(os.environ["REPROTRAIN_RUN_INDEX"])
+differ = int(os.environ.get("DIFFER", "0"))
+save_file({f"w{i:02d}": np.full(4, float(run if i >= 10 - differ else 0)) for i in range(10)},
+          f"{out}/model.safetensors")
+with open(f"{out}/train.log", "w") as log:
+    log.write(f"run {run if os.environ.get('LOG') else 0}: loss 0.5\\n")
+os.makedirs(f"{out}/.hydra")
+with open(f"{out}/.hydra/config.yaml", "w") as config:
+    config.write(f"run_dir: {out}\\n")
+"""
+
+
+def _verify(tmp_path: Path, *args: str, script: str = SCRIPT, **env: str):
+    tmp_path.mkdir(exist_ok=True)
+    path = tmp_path / "train.py"
+    path.write_text(script)
+    work = tmp_path / "runs"
+    return run_cli(
+        "verify", "--workdir", work, *args, "--", sys.executable, path, "{out}", cwd=tmp_path, **env
+    )
+
+
+def test_a_command_that_writes_nothing_is_a_usage_error_not_a_pass(tmp_path: Path) -> None:
+    done = run_cli("verify", "--", sys.executable, "-c", "print('hi')", cwd=tmp_path)
+    assert done.returncode == 2, done.stdout
+    assert "IDENTICAL" not in done.stdout
+    error = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(error) == 1 and "wrote nothing under {out}" in error[0]
+    assert "--output" in error[0]
+    # each run says when it started and how long it took, while verify waits
+    assert "run 0 started at" in done.stderr and "run 1 finished in" in done.stderr
+
+
+def test_a_script_writing_the_same_files_is_identical(tmp_path: Path) -> None:
+    done = _verify(tmp_path)  # negative control of the tests below: the config's path differs
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("reprotrain verify: IDENTICAL: 2 runs, .hydra/config.yaml")
+
+
+def test_a_differing_log_line_alone_does_not_make_the_weights_different(tmp_path: Path) -> None:
+    done = _verify(tmp_path, LOG="1")
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert done.stdout.splitlines()[:3] == [
+        f"reprotrain verify: DIFFERS OUTSIDE TENSORS: {sys.executable} {tmp_path / 'train.py'} "
+        "'{out}'",
+        "  every tensor is equal; these files differ outside tensors:",
+        "  train.log (file): differs (text, line 1: 'run 0: loss 0.5' vs 'run 1: loss 0.5')",
+    ]
+    assert "model.safetensors" in done.stdout.splitlines()[3]  # listed as identical
+    assert "Traceback" not in done.stderr
+
+
+def test_differing_weights_are_not_reproducible_and_the_table_counts_what_it_left_out(
+    tmp_path: Path,
+) -> None:
+    done = _verify(tmp_path, "--json", DIFFER="10", LOG="1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["verdict"] == "NOT REPRODUCIBLE" and not report["identical"]
+    files = {f["name"]: f for f in report["files"]}
+    assert files["model.safetensors"]["status"] == "tensors"
+    assert files["train.log"]["status"] == "bytes"  # named beside, with its own status
+    text = run_cli(
+        "verify", "--workdir", tmp_path / "text", "--", sys.executable, tmp_path / "train.py",
+        "{out}", cwd=tmp_path, DIFFER="10",
+    )  # fmt: skip
+    lines = text.stdout.splitlines()
+    assert "  model.safetensors (safetensors): 10 of 10 tensors differ" in lines
+    assert "    ... and 2 more" in lines
+    assert "    w07: different, max |a-b| 1, rel L2 inf" in lines
+
+
+CHECKPOINT = """
+import os, sys, torch
+out, run = sys.argv[1], int(os.environ["REPROTRAIN_RUN_INDEX"])
+plant = float(run) if os.environ.get("PLANT") else 0.0
+torch.save({"state_dict": {"w": torch.ones(3), "b": torch.zeros(2) + plant},
+            "optimizer_states": [{"state": {0: {"step": 3}}}], "dirpath": out},
+           f"{out}/last.ckpt")
+if os.environ.get("GARBAGE"):
+    open(f"{out}/best.ckpt", "wb").write(os.urandom(64))
+"""
+
+
+def test_a_differing_tensor_inside_a_ckpt_is_found(tmp_path: Path) -> None:
+    same = _verify(tmp_path / "same", "--output", "last.ckpt", script=CHECKPOINT)
+    assert same.returncode == 0, same.stdout + same.stderr  # its dirpath is its own {out}
+    planted = _verify(tmp_path / "plant", "--output", "last.ckpt", script=CHECKPOINT, PLANT="1")
+    assert planted.returncode == 1, planted.stdout + planted.stderr
+    assert "  last.ckpt (checkpoint): 1 of 2 tensors differ" in planted.stdout.splitlines()
+    assert "    state_dict/b: different, max |a-b| 1, rel L2 inf" in planted.stdout.splitlines()
+
+
+def test_an_unreadable_file_is_named_and_is_not_the_not_reproducible_code(tmp_path: Path) -> None:
+    done = _verify(tmp_path, script=CHECKPOINT, GARBAGE="1")
+    assert done.returncode == 5, done.stdout + done.stderr
+    assert done.stdout.startswith("reprotrain verify: UNREADABLE: ")
+    assert (
+        f"  best.ckpt (checkpoint): unreadable: {tmp_path / 'runs' / 'run-0' / 'best.ckpt'}: "
+        in (done.stdout)
+    )
+    assert "identical: last.ckpt" in done.stdout  # the readable file still has its verdict
+    assert "Traceback" not in done.stderr
+
+
+HYDRA_FAILURE = """
+print("Error executing job with overrides: []")
+print("Traceback (most recent call last):")
+print('  File "train.py", line 3, in main')
+print("ValueError: lr must be > 0")
+print()
+print("Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.")
+raise SystemExit(1)
+"""
+
+
+def test_a_failed_run_is_reported_by_its_error_not_its_last_log_line(tmp_path: Path) -> None:
+    done = _verify(tmp_path, script=HYDRA_FAILURE)
+    assert done.returncode == 2
+    assert "(ValueError: lr must be > 0)" in done.stderr
+    assert "HYDRA_FULL_ERROR" not in done.stderr
+
+
+def test_the_failure_line_is_the_last_tracebacks_end_or_a_named_exception() -> None:
+    chained = (
+        "Traceback (most recent call last):\n  x\nKeyError: 'a'\n\n"
+        "Traceback (most recent call last):\n  y\nRuntimeError: b\nmore\n"
+    )
+    assert failure_line(chained) == "RuntimeError: b"
+    assert failure_line("loading\nCUDA Error: out of memory\nbye\n") == "CUDA Error: out of memory"
+    assert failure_line("loading\nkilled\n\n") == "killed"  # negative control: nothing named
+    assert failure_line("") == "(no output)"
+
+
+def test_pipeline_options_are_refused_with_a_command_and_command_options_without(
+    tmp_path: Path,
+) -> None:
+    done = _verify(tmp_path, "--jobs", "2", "-S", "train.lr=0.1")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("reprotrain: error: --jobs, -S: not with `-- CMD`")
+    assert not (tmp_path / "runs").exists()  # refused before any run
+    alone = run_cli("verify", "--output", "model.safetensors", cwd=tmp_path)
+    assert alone.returncode == 2 and "--output: only with `-- CMD`" in alone.stderr
+
+
+BAD_TRACE = """
+import json, os, sys
+import numpy as np
+from safetensors.numpy import save_file
+out, run = sys.argv[1], int(os.environ["REPROTRAIN_RUN_INDEX"])
+save_file({"w": np.full(2, float(run))}, f"{out}/model.safetensors")
+meta = {"reprotrain": json.dumps({"format": "reprotrain.trace"})}  # says trace, is not one
+save_file({"step": np.arange(3)}, f"{out}/trace.safetensors", metadata=meta)
+if run == 1 and os.environ.get("TRUNCATE"):
+    data = open(f"{out}/trace.safetensors", "rb").read()
+    open(f"{out}/trace.safetensors", "wb").write(data[:-5])
+"""
+
+
+def test_a_trace_that_cannot_be_read_still_leaves_the_weights_verdict(tmp_path: Path) -> None:
+    outputs = {}
+    for name, env in (("truncated", {"TRUNCATE": "1"}), ("fake", {})):
+        done = _verify(tmp_path / name, script=BAD_TRACE, **env)
+        assert done.returncode == 1, done.stdout + done.stderr  # the weights differ: that decides
+        assert "  model.safetensors (safetensors): 1 of 1 tensors differ" in done.stdout
+        assert "Traceback" not in done.stderr
+        outputs[name] = done.stdout
+    run_1 = tmp_path / "truncated" / "runs" / "run-1" / "trace.safetensors"
+    assert f"  trace.safetensors (safetensors): unreadable: {run_1}: " in outputs["truncated"]
+    # the same bytes in both runs, a safetensors file, but no trace inside
+    assert "  trace.safetensors: not readable as a trace (" in outputs["fake"]
+
+
+ONE_SIDED = """
+import os, sys
+import numpy as np
+from safetensors.numpy import save_file
+out, run = sys.argv[1], int(os.environ["REPROTRAIN_RUN_INDEX"])
+save_file({"w": np.zeros(2)}, f"{out}/model.safetensors")
+open(f"{out}/events.{os.getpid()}", "w").write("step 0\\n")  # as TensorBoard names its file
+if run == 0 and os.environ.get("EXTRA_WEIGHTS"):
+    save_file({"w": np.zeros(2)}, f"{out}/extra.safetensors")
+"""
+
+
+def test_a_file_only_one_run_wrote_is_a_verdict_not_an_error(tmp_path: Path) -> None:
+    done = _verify(tmp_path / "log", script=ONE_SIDED)
+    assert done.returncode == 4, done.stdout + done.stderr
+    one_sided = [line for line in done.stdout.splitlines() if "events." in line]
+    assert len(one_sided) == 2 and all(
+        "(file): differs (not written by run " in x for x in one_sided
+    )
+    weights = _verify(tmp_path / "weights", script=ONE_SIDED, EXTRA_WEIGHTS="1")
+    assert weights.returncode == 1, weights.stdout + weights.stderr
+    assert "  extra.safetensors (safetensors): not written by run 1" in weights.stdout
+    named = _verify(tmp_path / "named", "--output", "extra.safetensors", script=ONE_SIDED,
+                    EXTRA_WEIGHTS="1")  # fmt: skip
+    assert named.returncode == 2 and "the command did not write extra.safetensors" in named.stderr
+
+
+HYDRA_APP = """
+import logging, os
+import hydra
+import numpy as np
+from hydra.core.hydra_config import HydraConfig
+from safetensors.numpy import save_file
+
+@hydra.main(version_base=None, config_path=None)
+def main(cfg) -> None:
+    logging.getLogger(__name__).info("training")  # a timestamped line in the run's log
+    if os.environ.get("BOOM"):
+        raise ValueError("lr must be > 0")
+    save_file({"w": np.zeros(3)}, f"{HydraConfig.get().runtime.output_dir}/model.safetensors")
+
+main()
+"""
+
+
+def test_a_hydra_app_needs_its_run_dir_and_its_log_alone_differs(tmp_path: Path) -> None:
+    app = tmp_path / "app.py"
+    app.write_text(HYDRA_APP)
+    verify = ("verify", "--workdir", tmp_path / "runs", "--", sys.executable, app)
+    own_folder = run_cli(*verify, cwd=tmp_path)  # writes into outputs/<date>/<time>
+    assert own_folder.returncode == 2 and "hydra.run.dir={out}" in own_folder.stderr
+    verify = ("verify", "--workdir", tmp_path / "runs2", "--", sys.executable, app)
+    done = run_cli(*verify, "hydra.run.dir={out}", cwd=tmp_path)
+    assert done.returncode == 4, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[2].startswith("  app.log (file): differs (text, line 1: ")
+    # .hydra/hydra.yaml holds each run's folder: equal with the folder as {out}
+    assert lines[3].startswith("  identical: .hydra/config.yaml, .hydra/hydra.yaml")
+    verify = ("verify", "--workdir", tmp_path / "runs3", "--", sys.executable, app)
+    failed = run_cli(*verify, "hydra.run.dir={out}", cwd=tmp_path, BOOM="1")
+    assert failed.returncode == 2 and "(ValueError: lr must be > 0)" in failed.stderr

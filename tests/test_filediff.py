@@ -1,0 +1,121 @@
+"""Two files of any kind get one verdict (tensors, fields, bytes, unreadable), never a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from reprotrain.filediff import compare_files, file_kind
+from reprotrain.hashing import safetensors_metadata
+
+
+def _runs(tmp_path: Path) -> tuple[Path, Path]:
+    a, b = tmp_path / "run-0", tmp_path / "run-1"
+    a.mkdir()
+    b.mkdir()
+    return a, b
+
+
+def _checkpoint(folder: Path, weight: float = 1.0, stamp: float = 0.0) -> Path:
+    """A Lightning-like checkpoint: weights, Adam state, counters and the run's own path."""
+    path = folder / "last.ckpt"
+    state = {
+        "state_dict": {
+            "layer.weight": torch.full((3, 2), weight),
+            "bn.running_mean": torch.ones(2),
+        },
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.zeros(3, 2), "step": 4}}}],
+        "global_step": 4,
+        "callbacks": {"ModelCheckpoint": {"dirpath": str(folder), "stamp": stamp}},
+    }
+    torch.save(state, path)
+    return path
+
+
+def test_checkpoints_with_equal_tensors_and_their_own_run_paths_are_identical(
+    tmp_path: Path,
+) -> None:
+    a, b = _runs(tmp_path)
+    pa, pb = _checkpoint(a), _checkpoint(b)
+    assert pa.read_bytes() != pb.read_bytes()  # the run folder is in the bytes
+    verdict = compare_files("last.ckpt", pa, pb, (a, b))
+    assert (verdict.kind, verdict.status, verdict.tensors_compared) == (
+        "checkpoint",
+        "identical",
+        3,
+    )
+
+
+def test_a_differing_tensor_inside_a_checkpoint_is_named_by_its_key(tmp_path: Path) -> None:
+    a, b = _runs(tmp_path)
+    verdict = compare_files("last.ckpt", _checkpoint(a), _checkpoint(b, weight=1.5), (a, b))
+    assert verdict.status == "tensors"
+    assert verdict.detail_lines() == [
+        "state_dict/layer.weight: different, max |a-b| 0.5, rel L2 0.5"
+    ]
+    assert verdict.summary() == "last.ckpt (checkpoint): 1 of 3 tensors differ"
+
+
+def test_a_checkpoint_differing_only_outside_tensors_is_fields_not_tensors(tmp_path: Path) -> None:
+    a, b = _runs(tmp_path)
+    verdict = compare_files("last.ckpt", _checkpoint(a), _checkpoint(b, stamp=2.0), (a, b))
+    assert verdict.status == "fields" and verdict.tensors == []
+    assert verdict.fields == ["callbacks/ModelCheckpoint/stamp: 0.0 vs 2.0"]
+
+
+def test_a_config_that_records_its_run_folder_compares_equal(tmp_path: Path) -> None:
+    a, b = _runs(tmp_path)
+    for folder in (a, b):
+        (folder / "hydra.yaml").write_text(f"run:\n  dir: {folder}\n  seed: 0\n")
+    verdict = compare_files("hydra.yaml", a / "hydra.yaml", b / "hydra.yaml", (a, b))
+    assert (verdict.kind, verdict.status) == ("file", "identical")
+    (b / "hydra.yaml").write_text(f"run:\n  dir: {b}\n  seed: 1\n")  # negative control
+    verdict = compare_files("hydra.yaml", a / "hydra.yaml", b / "hydra.yaml", (a, b))
+    assert verdict.status == "bytes"
+    assert verdict.detail == "text, line 3: '  seed: 0' vs '  seed: 1'"
+
+
+def test_unreadable_files_are_named_with_the_readers_error(tmp_path: Path) -> None:
+    a, b = _runs(tmp_path)
+    good = _checkpoint(a)
+    (b / "last.ckpt").write_bytes(good.read_bytes()[:100])  # truncated
+    verdict = compare_files("last.ckpt", good, b / "last.ckpt", (a, b))
+    assert verdict.status == "unreadable" and verdict.detail.startswith(f"{b / 'last.ckpt'}: ")
+    # A header that promises more than the file holds: safetensors' own error, neither
+    # OSError nor ValueError (it once ended verify with a traceback).
+    save_file({"w": torch.ones(4)}, a / "w.safetensors")
+    (b / "w.safetensors").write_bytes((a / "w.safetensors").read_bytes()[:-3])
+    verdict = compare_files("w.safetensors", a / "w.safetensors", b / "w.safetensors", (a, b))
+    assert (verdict.kind, verdict.status) == ("safetensors", "unreadable")
+    assert str(b / "w.safetensors") in verdict.detail
+
+
+def test_a_checkpoint_holding_a_class_is_refused_not_unpickled(tmp_path: Path) -> None:
+    a, b = _runs(tmp_path)
+    for folder, value in ((a, 1), (b, 2)):
+        torch.save({"when": Path(str(value))}, folder / "x.pt")
+    verdict = compare_files("x.pt", a / "x.pt", b / "x.pt", (a, b))
+    assert verdict.status == "unreadable" and "weights_only=True" in verdict.detail
+    assert verdict.detail.startswith(f"{a / 'x.pt'}: holds pathlib.")  # the class it refused
+
+
+def test_text_files_are_never_read_as_safetensors(tmp_path: Path) -> None:
+    (tmp_path / "train.log").write_text("epoch 0 loss 0.5 at 12:00:00\n")
+    assert file_kind(tmp_path / "train.log") == "file"
+    save_file({"w": torch.ones(1)}, tmp_path / "weights.bin")
+    assert file_kind(tmp_path / "weights.bin") == "safetensors"  # negative control
+
+
+def test_a_traces_fingerprint_rows_say_differs_without_a_magnitude(tmp_path: Path) -> None:
+    a, b = _runs(tmp_path)
+    for folder, value in ((a, 5), (b, 2**62)):
+        tensors = {"grads": torch.tensor([1, value])}
+        meta = safetensors_metadata({"format": "reprotrain.trace"})
+        save_file(tensors, folder / "trace.safetensors", metadata=meta)
+        save_file(tensors, folder / "counts.safetensors")
+    trace = compare_files("trace", a / "trace.safetensors", b / "trace.safetensors", (a, b))
+    assert trace.detail_lines() == ["grads: differs"]
+    counts = compare_files("counts", a / "counts.safetensors", b / "counts.safetensors", (a, b))
+    assert "max |a-b|" in counts.detail_lines()[0]  # negative control: not a trace
