@@ -20,7 +20,13 @@ from reprotrain.diffreport import ComparisonReport
 from reprotrain.envdiff import classify_env_key, compare_environments
 from reprotrain.hashing import canonical_json
 from reprotrain.trace import Trace, load_trace
-from reprotrain.tracediff import DIAGNOSES, compare_traces, plot_losses
+from reprotrain.tracediff import (
+    DIAGNOSES,
+    TraceDiff,
+    compare_traces,
+    plot_losses,
+    with_op_diagnosis,
+)
 from reprotrain.weightdiff import compare_weights
 from tests.test_trace import (
     BATCH_SIZE,
@@ -133,6 +139,9 @@ def test_different_seeds_diverge_at_step_zero(tmp_path: Path) -> None:
     diff = compare_traces(load_trace(a), load_trace(b))
     assert diff.first_step == 0 and diff.record == "batch"
     assert not diff.initial_params_equal
+    # One sentence names the cause, not the data pipeline the batch would suggest.
+    assert diff.diagnosis.startswith("the initial weights differ") and "the seed" in diff.diagnosis
+    assert "data pipeline" not in diff.to_text()
 
 
 # -- compare_traces rules, on synthetic traces -----------------------------------------
@@ -273,3 +282,23 @@ def test_compare_takes_the_files_any_script_names(tmp_path: Path) -> None:
         done = run_cli("compare", *bad, cwd=tmp_path)
         assert done.returncode == 2 and says in done.stderr, done.stderr
         assert done.stderr.count("\n") == 1
+
+
+def _op(kind: str, diagnosis: str) -> dict:
+    where = {"op": "aten.mul.Tensor", "phase": "forward", "line": "train.py:39"}
+    return {"identical": False, "kind": kind, "diagnosis": diagnosis, "op": where}
+
+
+def test_the_op_recording_decides_the_one_diagnosis() -> None:
+    guess = TraceDiff(False, 9, 9, first_step=3, first_row=3, record="loss",
+                      diagnosis=DIAGNOSES["loss"])  # fmt: skip
+    here = "a Python value passed to this op differs: the cause is here"
+    value = with_op_diagnosis(guess, _op("inputs", here))
+    assert value.diagnosis.startswith(here) and "train.py:39" in value.diagnosis
+    assert "kernel" not in value.to_text()
+    kernel = with_op_diagnosis(guess, _op("kernel", "same inputs, different output"))
+    assert kernel.diagnosis.startswith("non-deterministic kernel: aten.mul.Tensor")
+    # Negative controls: nothing found by the recording, or a seed: the trace's words stay.
+    assert with_op_diagnosis(guess, {"identical": True}) == guess
+    seeded = replace(guess, initial_params_equal=False, diagnosis=DIAGNOSES["initial"])
+    assert with_op_diagnosis(seeded, _op("inputs", here)) == seeded

@@ -31,6 +31,7 @@ compared by :mod:`reprotrain.weightdiff`, environments and run inputs by
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ import numpy as np
 from reprotrain.atomic import atomic_path
 from reprotrain.tracefile import FINAL_PARTS, RECORDS, Trace
 
-__all__ = ["DIAGNOSES", "TraceDiff", "compare_traces", "plot_losses"]
+__all__ = ["DIAGNOSES", "TraceDiff", "compare_traces", "plot_losses", "with_op_diagnosis"]
 
 DIAGNOSES = {
     "schedule": "training schedule differs (step, epoch or batch numbering)",
@@ -51,6 +52,9 @@ DIAGNOSES = {
     "params": "optimizer: same gradients, different update",
     "length": "runs have different step counts; all common steps are identical",
     "final": "every row matched, but the state the fits ended with differs",
+    "initial": "the initial weights differ (traced before step 0): the runs did not start "
+    "from the same weights, so all that follows differs too: the seed (unset, or another "
+    "value) or the weights each run loaded",
     "world_size": "different world sizes: each rank trained on another share of the data, and "
     "gradients were averaged over another number of ranks; the runs are not comparable step "
     "by step (the run inputs name the change)",
@@ -232,7 +236,9 @@ def _compare_rank(a: Trace, b: Trace) -> TraceDiff:
     differing = tuple(name for name, rows in differs.items() if rows[row])
     record = differing[0]
     diagnosis = DIAGNOSES[record]
-    if record in ("loss", "grads"):
+    if not initial_equal:
+        diagnosis = DIAGNOSES["initial"]
+    elif record in ("loss", "grads"):
         diagnosis = _kernel_diagnosis(a, record, row, traced, differs["params"], initial_equal)
     tensor = None
     if record in ("grads", "params") and a.param_names == b.param_names:
@@ -252,6 +258,26 @@ def _compare_rank(a: Trace, b: Trace) -> TraceDiff:
         tensor=tensor,
         records_differing=differing,
     )
+
+
+def with_op_diagnosis(diff: TraceDiff, op: Mapping[str, Any]) -> TraceDiff:
+    """``diff`` whose diagnosis is the op recording's, where that recording found the cause.
+
+    ``op`` is :meth:`reprotrain.opalign.OpDiff.to_dict` for the diverging step.
+    The trace can only guess from fingerprints ("a kernel", when the loss
+    differs first with the same batch); the op recording sees each op's
+    inputs, so where it found a differing input (a Python value, the batch,
+    a parameter), another order or another code path, that is the one
+    diagnosis reported. It keeps a kernel diagnosis only where the op's
+    inputs were equal, and a seed diagnosis always (initial weights differ).
+    """
+    if diff.identical or op.get("identical", True) or not diff.initial_params_equal:
+        return diff
+    where = op["op"]
+    found = f"{where['op']} ({where['phase']}) at {where['line']}"
+    if op["kind"] == "kernel":
+        return replace(diff, diagnosis=f"non-deterministic kernel: {found}; {op['diagnosis']}")
+    return replace(diff, diagnosis=f"{op['diagnosis']} (op recording: first differing op {found})")
 
 
 def plot_losses(a: Trace, b: Trace, path: str | Path, labels: tuple[str, str] = ("a", "b")) -> None:

@@ -244,10 +244,11 @@ def _locate(
     # torch and Lightning: only when a tensor differs
     from reprotrain.opalign import OpRecordError, compare_recordings
     from reprotrain.oprecord import DIR_VARIABLE, WINDOW_VARIABLE
-    from reprotrain.tracediff import compare_traces
+    from reprotrain.tracediff import compare_traces, with_op_diagnosis
 
     out: dict[str, Any] = {}
     step = ops_step
+    diff = None
     traces = [n for n in names if _is_trace(folders[0] / n)]
     if traces:
         from safetensors import SafetensorError
@@ -284,6 +285,8 @@ def _locate(
             "step (--ops-step), or add TraceCallback so verify finds the step"
         )
     out["op"] = result.to_dict()
+    if diff is not None:  # one diagnosis: the op recording's, where it found the cause
+        out["trace"] = with_op_diagnosis(diff, out["op"]).to_text()
     return out
 
 

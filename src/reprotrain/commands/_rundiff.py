@@ -267,8 +267,14 @@ def with_op_diff(result: RunComparison, a: Path, b: Path, matched: str = "") -> 
         found = compare_recordings(a, b)
     except OpRecordError as err:
         return dataclasses.replace(result, ops_text=f"op recordings: {err}")
+    from reprotrain.tracediff import with_op_diagnosis
+
     text = found.to_text() + (matched if found.identical else "")
-    return dataclasses.replace(result, ops=found.to_dict(), ops_text=text)
+    report = result.report
+    if report is not None and report.trace is not None:  # one diagnosis, the op recording's
+        trace = with_op_diagnosis(report.trace, found.to_dict())
+        report = dataclasses.replace(report, trace=trace)
+    return dataclasses.replace(result, report=report, ops=found.to_dict(), ops_text=text)
 
 
 def compare_runs(a: RunFiles, b: RunFiles, plot: Path | None = None) -> RunComparison:

@@ -33,8 +33,8 @@ def run(_: object, args: argparse.Namespace) -> int:
         a = find_run(args.a, args.repo, Path(scratch) / "a", args.model, args.trace)
         b = find_run(args.b, args.repo, Path(scratch) / "b", args.model, args.trace)
         result = compare_runs(a, b, plot=args.plot)
-    recordings = [Path(spec) / OPS_FOLDER for spec in (args.a, args.b)]
-    if not result.identical and all(folder.is_dir() for folder in recordings):
+    recordings = [_recording_of(Path(spec)) for spec in (args.a, args.b)]
+    if not result.identical and all(folder is not None for folder in recordings):
         result = with_op_diff(result, *recordings)
     if args.json:
         print(canonical_json(result.to_dict()), end="")
@@ -43,3 +43,11 @@ def run(_: object, args: argparse.Namespace) -> int:
         if args.plot:
             print(f"loss plot: {args.plot}")
     return 0 if result.identical else EXIT_DIFFERENT
+
+
+def _recording_of(run: Path) -> Path | None:
+    """A run's op recording: ``RUN/ops``, or ``RUN-ops/ops`` beside it (where verify keeps it)."""
+    for folder in (run / OPS_FOLDER, run.with_name(f"{run.name}-ops") / OPS_FOLDER):
+        if folder.is_dir():
+            return folder
+    return None
