@@ -14,7 +14,9 @@ that train or configure determinism first restart the interpreter with
 Exit codes: 0 done; 1 a check failed (``checklist --strict``; ``verify``,
 ``compare`` or ``locate`` found a difference); 2 bad input
 (params, data, model, lock or record file), nothing written; 3 the
-determinism guarantee cannot be honoured in this process.
+determinism guarantee cannot be honoured in this process; 4 ``verify
+--reference`` found every output as committed but the record that decides
+the bits (environment record, run ID) differs; 130 interrupted.
 """
 
 from __future__ import annotations
