@@ -90,9 +90,10 @@ test-container: venv ## Build the image on a stand-in base, run the pipeline in 
 		"('$(DOCKER) info' fails); start dockerd (CI: .ci/run does)"; exit 1; }
 	$(BIN)/pytest -m container
 
-lint: venv ## ruff check and format check
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+lint: venv ## ruff check and format check; zizmor on the GitHub workflows (offline)
+	$(BIN)/ruff check src tests benchmarks .ci/run-workflow
+	$(BIN)/ruff format --check src tests benchmarks .ci/run-workflow
+	$(BIN)/zizmor --offline .github/workflows/
 
 format: venv ## Apply ruff fixes and formatting
 	$(BIN)/ruff check --fix src tests benchmarks
