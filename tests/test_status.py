@@ -38,10 +38,11 @@ def test_verify_reference_passes_on_the_committed_run_and_names_a_tampered_file(
 ) -> None:
     same = run_cli("verify", "--reference", cwd=repo_copy)
     assert same.returncode == 0, same.stdout + same.stderr
-    assert "IDENTICAL to HEAD" in same.stdout
+    assert "REPRODUCED: HEAD's reference" in same.stdout and "NOT" not in same.stdout
     metrics = repo_copy / "reports" / "metrics.json"
     metrics.write_text(metrics.read_text().replace("0.", "0.0", 1))
     commit_all(repo_copy, "a reference no run gives")
     differs = run_cli("verify", "--reference", "HEAD", cwd=repo_copy)
     assert differs.returncode == 1
     assert "reports/metrics.json" in differs.stdout and "NOT REPRODUCED" in differs.stdout
+    assert "IDENTICAL" not in differs.stdout
