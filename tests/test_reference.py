@@ -135,3 +135,17 @@ def test_check_reference_says_same_outputs_record_differs_with_its_own_exit_code
     assert "SAME OUTPUTS, RECORD DIFFERS" in out
     assert "os.system: 'Plan9' -> 'Linux'" in out
     assert "NOT REPRODUCED" not in out and "IDENTICAL" not in out
+
+
+def test_a_stale_dep_in_dvc_lock_is_a_record_difference_not_an_output(reference: Path) -> None:
+    # the lock or the code changed since the reference was made; the outputs did not
+    lock = yaml.safe_load((reference / "dvc.lock").read_text())
+    for dep in lock["stages"]["train"]["deps"]:
+        if dep["path"] == "requirements-cpu.lock":
+            dep["md5"] = "5" * 32
+    (reference / "dvc.lock").write_text(yaml.safe_dump(lock, sort_keys=False))
+    changes = classify_changes(reference, "HEAD", changed_paths(reference))
+    assert changes.outputs_identical, changes.outputs
+    assert len(changes.lock_inputs) == 1
+    assert changes.lock_inputs[0].startswith("train dep requirements-cpu.lock: ")
+    assert changes.lock_inputs[0].endswith(f"-> '{'5' * 32}'")

@@ -7,8 +7,9 @@ revision and then asks git what changed. A change is one of two kinds:
   ``outs`` md5 in ``dvc.lock``, the output hashes in ``run.json``, or any
   other file git tracks;
 * the *deciding record* only: the environment record (the cache key), the
-  run ID and its inputs in ``run.json``, and the md5 of the environment
-  record that ``dvc.lock`` holds as a dependency.
+  run ID and its inputs in ``run.json``, and what ``dvc.lock`` records of the
+  inputs (each stage's command, params and deps' md5: e.g. a lock or the code
+  changed since the reference was made).
 
 :func:`classify_changes` splits ``git status`` into those two, so the verdict
 is exactly one of: as committed (exit 0), the same outputs under a different
@@ -45,6 +46,8 @@ class ReferenceChanges:
     environment: list[EnvDiff] = field(default_factory=list)
     #: Run inputs (run.json) that differ; they are why the run IDs differ.
     inputs: list[InputDiff] = field(default_factory=list)
+    #: Inputs dvc.lock records differently (a dep's md5, a param, a command), one line each.
+    lock_inputs: list[str] = field(default_factory=list)
     #: Files whose change is the record's only (the environment record, run.json, dvc.lock).
     record_files: list[str] = field(default_factory=list)
 
@@ -54,11 +57,12 @@ class ReferenceChanges:
 
     @property
     def record_identical(self) -> bool:
-        return not (self.environment or self.inputs or self.record_files)
+        return not (self.environment or self.inputs or self.lock_inputs or self.record_files)
 
     def record_lines(self) -> list[str]:
         lines = [f"  environment {d.to_text()}" for d in self.environment]
         lines += [f"  run input {d.to_text()}" for d in self.inputs]
+        lines += [f"  dvc.lock {line}" for line in self.lock_inputs]
         if not lines and self.record_files:
             lines.append(f"  (no field named; files: {', '.join(self.record_files)})")
         return lines
@@ -104,14 +108,20 @@ def _lock_outs(data: bytes | None, skip: set[str]) -> dict[str, Any]:
     }
 
 
-def _lock_rest(data: bytes | None, records: set[str]) -> Any:
-    """A dvc.lock without its outs and without the hashes of the record files among its deps."""
+def _lock_inputs(data: bytes | None, records: set[str]) -> dict[str, Any]:
+    """``{stage what: value}`` of a dvc.lock's commands, params and deps, but the record files.
+
+    The record files' md5 among the deps follow from the record, compared on its own.
+    """
     stages = (yaml.safe_load(data) or {}).get("stages", {}) if data else {}
-    rest = {}
+    found: dict[str, Any] = {}
     for name, stage in stages.items():
-        deps = [{"path": d["path"]} if d["path"] in records else d for d in stage.get("deps", [])]
-        rest[name] = {**{k: v for k, v in stage.items() if k != "outs"}, "deps": deps}
-    return rest
+        found[f"{name} cmd"] = stage.get("cmd")
+        found[f"{name} params"] = stage.get("params")
+        for dep in stage.get("deps", []):
+            if dep["path"] not in records:
+                found[f"{name} dep {dep['path']}"] = dep.get("md5")
+    return found
 
 
 def classify_changes(clone: Path, rev: str, changed: list[str]) -> ReferenceChanges:
@@ -142,8 +152,12 @@ def classify_changes(clone: Path, rev: str, changed: list[str]) -> ReferenceChan
                 for out in sorted(set(old_outs) | set(new_outs))
                 if old_outs.get(out) != new_outs.get(out)
             ]
-            if _lock_rest(committed, records) != _lock_rest(fresh, records):
-                found.outputs.append(f"{path}: a stage's command, deps or params differ")
+            old_in, new_in = _lock_inputs(committed, records), _lock_inputs(fresh, records)
+            found.lock_inputs += [
+                f"{key}: {old_in.get(key)!r} -> {new_in.get(key)!r}"
+                for key in sorted(set(old_in) | set(new_in))
+                if old_in.get(key) != new_in.get(key)
+            ]
         elif committed is None:
             found.outputs.append(f"{path}: new, not at {rev}")
         elif committed != fresh:
