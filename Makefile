@@ -2,7 +2,13 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-PYTHON ?= python3.11
+# The interpreter the venv is made with: PYTHON if given (make repro PYTHON=/usr/bin/python3.11),
+# else the first Python $(PYTHON_MINOR) with venv that tools/find-python finds (python3.11 on
+# PATH, pyenv's, uv's managed Pythons); none: one line says what to install.
+PYTHON_MINOR := 3.11
+PYTHON ?=
+# Added by tools/torch-index only when the configured pip sources lack the lock's +cpu torch.
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 VENV ?= .venv
 LOCK ?= requirements-cpu.lock
 BIN := $(VENV)/bin
@@ -24,9 +30,18 @@ help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(STAMP): $(LOCK) pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@echo "installing $(LOCK) into $(VENV) (hash-checked; log: $(VENV)/install.log)"
-	@$(BIN)/python -m pip install --require-hashes --no-deps -r $(LOCK) >$(VENV)/install.log 2>&1 \
+	@test -x $(BIN)/python || { \
+		python="$(PYTHON)"; \
+		if [ -z "$$python" ]; then python=$$(tools/find-python $(PYTHON_MINOR)) || exit 1; \
+		elif ! command -v "$$python" >/dev/null; then \
+			echo "make: PYTHON=$$python is not a command here; give a Python $(PYTHON_MINOR)" \
+				"(or leave PYTHON unset to search PATH, pyenv and uv)"; exit 1; fi; \
+		echo "creating $(VENV) with $$python"; "$$python" -m venv $(VENV); }
+	@extra=$$(tools/torch-index $(BIN)/python $(LOCK) $(TORCH_INDEX_URL)); \
+	if [ -n "$$extra" ]; then echo "the pip sources configured here lack $(LOCK)'s torch" \
+		"wheel: adding $$extra (same pinned hash)"; fi; \
+	echo "installing $(LOCK) into $(VENV) (hash-checked; log: $(VENV)/install.log)"; \
+	$(BIN)/python -m pip install --require-hashes --no-deps $$extra -r $(LOCK) >$(VENV)/install.log 2>&1 \
 		|| { tail -n 30 $(VENV)/install.log; exit 1; }
 	@$(BIN)/python -m pip install --no-deps --no-build-isolation -e . >>$(VENV)/install.log 2>&1 \
 		|| { tail -n 30 $(VENV)/install.log; exit 1; }
@@ -84,9 +99,10 @@ test-container: venv ## Build the image on a stand-in base, run the pipeline in 
 		"('$(DOCKER) info' fails); start dockerd (CI: .ci/run does)"; exit 1; }
 	$(BIN)/pytest -m container
 
-lint: venv ## ruff check and format check
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+lint: venv ## ruff check and format check; zizmor on the GitHub workflows (offline)
+	$(BIN)/ruff check src tests benchmarks .ci/run-workflow
+	$(BIN)/ruff format --check src tests benchmarks .ci/run-workflow
+	$(BIN)/zizmor --offline .github/workflows/
 
 format: venv ## Apply ruff fixes and formatting
 	$(BIN)/ruff check --fix src tests benchmarks

@@ -35,7 +35,7 @@ def test_record_names_what_decides_the_bits() -> None:
     record = capture_environment(LOCK)
     assert record["torch"]["version"].startswith("2.13.0")
     assert record["cpu"]["model"] and "avx2" in record["cpu"]["dispatch_flags"]
-    assert record["os"]["libc"].startswith("glibc")
+    assert record["host"]["libc"].startswith("glibc") and "libc" not in record["os"]
     assert record["container"] == {"base_image": "none", "image_id": "none"}
     assert "CUBLAS_WORKSPACE_CONFIG" in record["variables"]
 

@@ -40,13 +40,14 @@ def test_verify_reference_passes_on_the_committed_run_and_names_a_tampered_file(
 ) -> None:
     same = run_cli("verify", "--reference", cwd=repo_copy)
     assert same.returncode == 0, same.stdout + same.stderr
-    assert "IDENTICAL to HEAD" in same.stdout
+    assert "REPRODUCED: HEAD's reference" in same.stdout and "NOT" not in same.stdout
     metrics = repo_copy / "reports" / "metrics.json"
     metrics.write_text(metrics.read_text().replace("0.", "0.0", 1))
     commit_all(repo_copy, "a reference no run gives")
     differs = run_cli("verify", "--reference", "HEAD", cwd=repo_copy)
     assert differs.returncode == 1
     assert "reports/metrics.json" in differs.stdout and "NOT REPRODUCED" in differs.stdout
+    assert "IDENTICAL" not in differs.stdout
 
 
 def _dvc_added_input_repo(repo: Path) -> None:
@@ -71,7 +72,7 @@ def test_verify_reference_names_dvc_data_that_no_cache_or_remote_has(tmp_path: P
     _dvc_added_input_repo(repo)
     # Control: the data is in this repository's DVC cache, and the clone reads it there.
     held = run_cli("verify", "--reference", "HEAD", cwd=repo)
-    assert held.returncode == 0 and "IDENTICAL" in held.stdout, held.stdout + held.stderr
+    assert held.returncode == 0 and "REPRODUCED" in held.stdout, held.stdout + held.stderr
     shutil.rmtree(repo / ".dvc" / "cache")  # as in a fresh clone with no remote
     lost = run_cli("verify", "--reference", "HEAD", cwd=repo)
     assert lost.returncode == 2, lost.stdout + lost.stderr

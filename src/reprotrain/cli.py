@@ -16,7 +16,9 @@ Exit codes: 0 done; 1 a check failed (``checklist --strict``; ``verify``,
 (params, data, model, lock or record file), nothing written; 3 the
 determinism guarantee cannot be honoured in this process; ``verify -- CMD``
 also 4 (tensors equal, another file differs) and 5 (a file unreadable as
-its kind), see :mod:`reprotrain.commands._anyscript`.
+its kind), see :mod:`reprotrain.commands._anyscript`; 6 ``verify
+--reference`` found every output as committed but the record that decides
+the bits (environment record, run ID) differs; 130 interrupted.
 """
 
 from __future__ import annotations

@@ -5,13 +5,13 @@ CUDA / cuDNN / cuBLAS / NCCL builds, the same CPU instruction set and the same
 thread counts and determinism flags: those differences "void" the guarantee.
 Others "may matter" (Python, numpy, driver, OS, the installed set) or are
 provenance only; the environment record's ``host`` section is informational
-(under ``cpu.profile: portable`` it holds the CPU model and flags, shown by
-tests not to change the bits). The verdict comes from the small rule table ``ENV_RULES``,
-matched on whole words of the dotted key, first match wins; extend it there.
-``compare_inputs`` does the same for two runs' input records (run.json
-``inputs``): the keys that differ are why two run IDs differ.
-No torch import: ``reprotrain env --diff``, the checklist and a verify whose
-runs are identical stay fast.
+(under ``cpu.profile: portable`` it holds the CPU model and flags, and always
+Python's patch level and glibc, shown by tests not to change the bits). The
+verdict comes from the small rule table ``ENV_RULES``, matched on whole words
+of the dotted key, first match wins; extend it there. ``compare_inputs`` does
+the same for two runs' input records (run.json ``inputs``): the keys that
+differ are why two run IDs differ. No torch import: ``reprotrain env --diff``,
+the checklist and a verify whose runs are identical stay fast.
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ class EnvRule:
 
 #: First match wins; unmatched keys are "no". Word boundaries are ".", "_", "-" and the ends.
 ENV_RULES: tuple[EnvRule, ...] = (
+    EnvRule(
+        r"host\.python|host\.libc",
+        "no",
+        "informational: shown not to change the bits (tests/test_portability.py)",
+    ),
     EnvRule(r"host", "no", "informational: not part of the cache key (docs/cpu-profile.md)"),
     EnvRule(r"gpus?|device_name|device_model", "voids", "GPU model changes kernels"),
     EnvRule(r"compute_capability|sm|arch_list|cuda_arch", "voids", "GPU architecture"),

@@ -5,14 +5,18 @@ records what does decide a run's floating-point results: Python; torch and the
 CUDA, cuDNN, cuBLAS and NCCL builds it runs on; GPU models, compute capability
 and driver; the CPU profile and its pins (:mod:`reprotrain.cpuprofile`), or
 under ``native`` the CPU model and the instruction-set features ATen's kernels
-dispatch on; the variables that fix thread counts and determinism; the OS and
-glibc; the lock file's sha256 and whether the installed packages match it
-exactly; the container image. Host facts that do not decide the bits (CPU
-model and flags under ``portable``, core count, memory, kernel) sit apart in
-its ``host`` section; :func:`bit_deciding` drops it, and only that part is a
-cache key. No time, host name, PID or absolute path anywhere, so
-:func:`canonical_json` of the deciding part is byte-stable and a DVC stage
-that writes it retrains downstream exactly when it changes.
+dispatch on; the variables that fix thread counts and determinism; the OS;
+the lock file's sha256 and whether the installed packages match it
+exactly; the container image. Host facts that do not decide the bits sit
+apart in its ``host`` section: the CPU model and flags under ``portable``,
+core count, memory, kernel, and, shown by ``tests/test_portability.py`` to
+leave the default recipe's bits alone, Python's patch level (3.11.2 vs
+3.11.7) and the glibc version (2.36 vs 2.41). Python's major.minor stays in
+the deciding part (nothing showed it may leave). :func:`bit_deciding` drops
+the ``host`` section, and only the rest is a cache key. No time, host name,
+PID or absolute path anywhere, so :func:`canonical_json` of the deciding part
+is byte-stable and a DVC stage that writes it retrains downstream exactly
+when it changes.
 
 It never imports torch (that alone costs more than a second): versions come
 from package metadata and ``torch/version.py``, GPUs from ``nvidia-smi``.
@@ -76,6 +80,8 @@ SHAPING_VARIABLES = (
 )
 #: The record's informational section: host facts that do not decide the bits.
 HOST_KEY = "host"
+#: Where the host section is written beside the deciding record (``env --host-out``).
+HOST_FILE = "host.json"
 #: Collective-communication settings: every set ``NCCL_*`` variable but these, which only log.
 COLLECTIVE_PREFIX = "NCCL_"
 COLLECTIVE_LOGGING = frozenset({"NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS"})
@@ -121,15 +127,11 @@ def capture_environment(
             "dispatch_flags": cpu["dispatch_flags"],
         }
     return {
-        "python": {"version": platform.python_version(), "implementation": sys.implementation.name},
+        "python": {"minor": _python_minor(), "implementation": sys.implementation.name},
         "torch": _torch_build(),
         "gpu": _gpus(),
         "cpu": deciding_cpu,
-        "os": {
-            "system": platform.system(),
-            "machine": platform.machine(),
-            "libc": "-".join(platform.libc_ver()),
-        },
+        "os": {"system": platform.system(), "machine": platform.machine()},
         "variables": variables,
         "lock": lock_status(lock, ignore_packages) if lock else None,
         "container": {
@@ -138,11 +140,17 @@ def capture_environment(
         },
         HOST_KEY: {
             "cpu": cpu,
+            "python": platform.python_version(),
+            "libc": "-".join(platform.libc_ver()),
             "kernel": platform.release(),
             "memory_gib": _memory_gib(),
             "variables": host_variables,
         },
     }
+
+
+def _python_minor() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def bit_deciding(record: Mapping[str, Any]) -> dict[str, Any]:

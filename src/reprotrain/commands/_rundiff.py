@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from reprotrain.atomic import atomic_path
 from reprotrain.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
+from reprotrain.environment import HOST_FILE, HOST_KEY
 from reprotrain.hashing import sha256_file
 from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.errors import DataError
@@ -186,6 +187,15 @@ def _json(path: Path | None) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _with_host(path: Path | None) -> dict[str, Any]:
+    """An environment record with the host facts beside it (``host.json``), shown, not deciding."""
+    record = _json(path)
+    host = path.with_name(HOST_FILE) if path is not None else None
+    if record and HOST_KEY not in record and host is not None and host.is_file():
+        record[HOST_KEY] = _json(host)
+    return record
+
+
 def _trace(path: Path | None) -> Trace | None:
     from reprotrain.trace import load_trace
 
@@ -296,7 +306,7 @@ def compare_runs(a: RunFiles, b: RunFiles, plot: Path | None = None) -> RunCompa
             "a trace?): give two weights files, two traces, or two run folders"
         )
     record_a, record_b = _json(a.record), _json(b.record)
-    env_a, env_b = _json(a.environment), _json(b.environment)
+    env_a, env_b = _with_host(a.environment), _with_host(b.environment)
     inputs = compare_inputs(record_a.get("inputs", {}), record_b.get("inputs", {}))
     environment = compare_environments(env_a, env_b) if env_a and env_b else []
     differ = any(x != y for x, y in hashes.values())

@@ -5,6 +5,7 @@ Each item is pass, warn or fail, in five categories:
 * code: clean tree; ``run.json`` committed (which ties the run to a commit);
 * data: files match the checksums in ``dvc.lock`` and in ``.dvc`` files;
 * environment: lock installed exactly, image digest known, versions recorded;
+  Python's patch level and glibc, shown (informational: they do not decide the bits);
 * random state: seed, worker seeding, hash seed fixed at start, deterministic
   mode, as recorded in ``run.json``;
 * hardware: device model recorded; same as the reference run, i.e. the
@@ -26,7 +27,7 @@ from typing import Any, Literal
 import yaml
 
 from reprotrain.envdiff import compare_environments
-from reprotrain.environment import bit_deciding, git_state
+from reprotrain.environment import HOST_KEY, bit_deciding, git_state
 from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.stages.env import whole_environment
@@ -100,6 +101,7 @@ def collect(dvc_yaml: Path) -> list[Item]:
         *_code_items(train_args.run_record, exclude),
         _data_item(train_args.dvc_lock or dvc_yaml.with_name("dvc.lock")),
         *_environment_items(current_env, recorded_env),
+        _host_item(current_env, _read_json(env_args.host_out) if env_args.host_out else None),
         *_random_state_items(run_record, train_args.run_record),
         *_hardware_items(current_env, recorded_env, train_args.env),
     ]
@@ -194,6 +196,20 @@ def _environment_items(current: dict[str, Any], recorded: dict[str, Any] | None)
         else Item("environment", "versions recorded", "fail", "no environment record; dvc repro")
     )
     return [exact, digest, versions]
+
+
+def _host_item(current: dict[str, Any], trained: dict[str, Any] | None) -> Item:
+    """Python's patch level and glibc: informational (tests/test_portability.py), still shown."""
+    here = current[HOST_KEY]
+    detail = f"Python {here['python']}, {here['libc']}; shown not to change the bits"
+    changed = [
+        f"{key} {trained.get(key)} -> {here[key]}"
+        for key in ("python", "libc")
+        if trained is not None and trained.get(key) != here[key]
+    ]
+    if changed:
+        detail += "; the last run's host.json differs: " + ", ".join(changed)
+    return Item("environment", "Python patch level and glibc (informational)", "pass", detail)
 
 
 def _random_state_items(run_record: dict[str, Any], path: Path) -> list[Item]:

@@ -30,10 +30,14 @@ CUDA, CPU kernels...), verify says so and compares fresh reruns instead.
 ``--reference [REV]`` (default ``HEAD``) needs no DVC cache, only git: one
 ``dvc repro`` of the whole pipeline in a fresh clone of REV, then every file
 git tracks there (``dvc.lock`` with every output's md5, ``reports/``) must be
-byte-identical to REV's. Exit 0 if so; otherwise 1 with the files that
-changed, the classified difference between REV's environment record and this
-host's, and, where REV's trace is in this repository's DVC cache, the first
-diverging step. It costs one pipeline run; ``make check-reference`` runs it.
+byte-identical to REV's. One verdict (:mod:`reprotrain.commands._reference`):
+exit 0, REPRODUCED, if so; exit 6 (``EXIT_RECORD_DIFFERS``), SAME OUTPUTS,
+RECORD DIFFERS, when every output is REV's bytes but the deciding record
+(environment record, run ID) is not, naming its fields; otherwise exit 1,
+NOT REPRODUCED, with the outputs that differ, the record's fields that differ
+as the likely cause, and, where REV's trace is in this repository's DVC cache,
+the first diverging step. It costs one pipeline run; ``make check-reference``
+runs it.
 
 Runs train one after another (``--jobs N``: N side by side, see
 :mod:`reprotrain.commands._rerun`); cost against one training run:
@@ -43,7 +47,6 @@ Runs train one after another (``--jobs N``: N side by side, see
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -53,6 +56,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from reprotrain.commands._reference import EXIT_RECORD_DIFFERS, changed_paths, classify_changes
 from reprotrain.commands._rerun import Workspace, rerun_workspace, train_fresh
 from reprotrain.commands._rundiff import (
     OPS_FOLDER,
@@ -227,28 +231,38 @@ def check_reference(rev: str, workdir: Path | None) -> int:
     )
     if repro.returncode != 0:
         raise DataError(f"dvc repro failed in {clone}: {_repro_failure(repro, repo)}")
-    changed = _git("status", "--porcelain", cwd=clone).splitlines()
-    if not changed:
+    changes = classify_changes(clone, rev, changed_paths(clone))
+    if changes.outputs_identical and changes.record_identical:
         shutil.rmtree(scratch, ignore_errors=True)
-        print(f"reprotrain verify: IDENTICAL to {rev} (dvc.lock and reports/ byte for byte)")
+        print(
+            f"reprotrain verify: REPRODUCED: {rev}'s reference, outputs and the record that "
+            "decides them (dvc.lock, reports/) byte for byte"
+        )
         return 0
-    print(f"files this run changed against {rev}:")
-    print("\n".join(f"  {line}" for line in changed))
-    committed = json.loads(_git("show", f"{rev}:reports/environment.json", cwd=clone))
-    fresh = load_environment(clone / "reports" / "environment.json")
-    diffs = compare_environments(committed, fresh)
-    print(
-        f"environment of {rev}'s reference vs this host: " + ("none differs" if not diffs else "")
-    )
-    print("\n".join(f"  {d.to_text()}" for d in diffs))
+    if changes.outputs_identical:
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(f"the record that decides the bits differs from {rev}'s in:")
+        print("\n".join(changes.record_lines()))
+        print(
+            f"reprotrain verify: SAME OUTPUTS, RECORD DIFFERS: every output is {rev}'s bytes, "
+            f"but {', '.join(changes.record_files)} would change (exit {EXIT_RECORD_DIFFERS})"
+        )
+        return EXIT_RECORD_DIFFERS
+    print(f"outputs this run changed against {rev}:")
+    print("\n".join(f"  {line}" for line in changes.outputs))
+    print(f"likely cause, the record that decides the bits vs {rev}'s:")
+    print("\n".join(changes.record_lines()) or "  nothing differs there")
     try:
         result = compare_runs(find_run(rev, repo, scratch / "reference"), run_in_folder(clone))
-        print(result.to_text())
     except DataError as err:
         print(f"first diverging step: unknown, {rev}'s trace is not reachable here ({err})")
-    print(
-        f"reprotrain verify: NOT REPRODUCED: {rev}'s reference differs here (clone kept: {clone})"
-    )
+    else:
+        if result.identical:
+            same = ", ".join(f"{name} {a[:12]}" for name, (a, _) in result.hashes.items())
+            print(f"model and trace: the same bits ({same}); the outputs above differ")
+        else:
+            print(result.to_text())
+    print(f"reprotrain verify: NOT REPRODUCED: {rev}'s outputs differ here (clone kept: {clone})")
     return EXIT_DIFFERENT
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import reprotrain
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import DeterminismSettings
-from reprotrain.environment import environment_fingerprint, torch_runtime
+from reprotrain.environment import HOST_FILE, HOST_KEY, environment_fingerprint, torch_runtime
 from reprotrain.hashing import canonical_json, sha256_file
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.errors import DataError
@@ -43,6 +43,22 @@ def load_environment(path: Path) -> dict[str, Any]:
         ) from None
     if not isinstance(record, dict) or "lock" not in record:
         raise DataError(f"{path}: not a reprotrain environment record; rerun `dvc repro env`")
+    return record
+
+
+def load_environment_with_host(path: Path) -> dict[str, Any]:
+    """The record at ``path`` with the host facts the env stage wrote beside it, if any.
+
+    For showing differences (``env --diff``, ``compare``): the ``host`` section is
+    informational, so its fields are shown, classified "no", and never decide.
+    """
+    record = load_environment(path)
+    host = path.with_name(HOST_FILE)
+    if HOST_KEY not in record and host.is_file():
+        try:
+            record[HOST_KEY] = json.loads(host.read_text())
+        except (OSError, ValueError) as err:
+            print(f"reprotrain: warning: {host}: unreadable host facts ({err})", file=sys.stderr)
     return record
 
 

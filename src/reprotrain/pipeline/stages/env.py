@@ -4,8 +4,11 @@
 ``dvc repro``; its output is a dependency of ``train``. The record's bytes
 change exactly when the environment does (see :mod:`reprotrain.environment`),
 so DVC retrains after a GPU, driver, torch or lock change and keeps its cache
-otherwise. Without ``--out`` the record is printed, with the git state added;
-``--diff A B`` explains how two records differ. With ``--raw-dir`` (as
+otherwise. ``--host-out`` writes the informational ``host`` section beside it
+(``reports/host.json``: CPU model, kernel, Python patch level, glibc...).
+Without ``--out`` the record is printed, with the git state added;
+``--diff A B`` explains how two records differ, with the fields of a
+``host.json`` beside each (shown, never deciding). With ``--raw-dir`` (as
 ``dvc.yaml`` runs it) it first checks params.yaml and the raw data
 (:mod:`reprotrain.pipeline.preflight`), so bad input stops ``dvc repro`` here,
 before DVC deletes any later stage's outputs.
@@ -124,9 +127,9 @@ def planned_outputs(dvc_yaml: Path = DVC_YAML) -> PlannedOutputs | None:
 def explain_difference(a: Path, b: Path) -> str:
     """Which fields of two environment records differ, and which void bitwise equality."""
     from reprotrain.envdiff import compare_environments
-    from reprotrain.pipeline.run_record import load_environment
+    from reprotrain.pipeline.run_record import load_environment_with_host
 
-    diffs = compare_environments(load_environment(a), load_environment(b))
+    diffs = compare_environments(load_environment_with_host(a), load_environment_with_host(b))
     if not diffs:
         return f"{a} and {b}: identical environments; the bitwise guarantee applies"
     voiding = [d for d in diffs if d.voids]

@@ -1,0 +1,165 @@
+"""One verdict for a rerun of a committed reference: same outputs, same record, or neither.
+
+``reprotrain verify --reference`` runs the pipeline once in a clone of a
+revision and then asks git what changed. A change is one of two kinds:
+
+* an *output*: the trained weights, trace, data, metrics or plots, i.e. any
+  ``outs`` md5 in ``dvc.lock``, the output hashes in ``run.json``, or any
+  other file git tracks;
+* the *deciding record* only: the environment record (the cache key), the
+  run ID and its inputs in ``run.json``, and what ``dvc.lock`` records of the
+  inputs (each stage's command, params and deps' md5: e.g. a lock or the code
+  changed since the reference was made).
+
+:func:`classify_changes` splits ``git status`` into those two, so the verdict
+is exactly one of: as committed (exit 0), the same outputs under a different
+deciding record (:data:`EXIT_RECORD_DIFFERS`, naming the fields), or other
+outputs (exit 1, naming them). No torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from reprotrain.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
+from reprotrain.pipeline.arguments import stage_arguments
+from reprotrain.pipeline.errors import DataError
+
+#: Exit code of ``verify --reference`` when the outputs are the committed bytes but the
+#: deciding record (environment record, run ID) is not: a CI job may choose to accept it.
+EXIT_RECORD_DIFFERS = 6
+
+
+@dataclass
+class ReferenceChanges:
+    """What one rerun in a clone changed against the revision it was cloned at."""
+
+    #: Outputs whose bytes differ: ``path`` or ``path: what``.
+    outputs: list[str] = field(default_factory=list)
+    #: Fields of the environment record that differ (committed -> fresh).
+    environment: list[EnvDiff] = field(default_factory=list)
+    #: Run inputs (run.json) that differ; they are why the run IDs differ.
+    inputs: list[InputDiff] = field(default_factory=list)
+    #: Inputs dvc.lock records differently (a dep's md5, a param, a command), one line each.
+    lock_inputs: list[str] = field(default_factory=list)
+    #: Files whose change is the record's only (the environment record, run.json, dvc.lock).
+    record_files: list[str] = field(default_factory=list)
+
+    @property
+    def outputs_identical(self) -> bool:
+        return not self.outputs
+
+    @property
+    def record_identical(self) -> bool:
+        return not (self.environment or self.inputs or self.lock_inputs or self.record_files)
+
+    def record_lines(self) -> list[str]:
+        lines = [f"  environment {d.to_text()}" for d in self.environment]
+        lines += [f"  run input {d.to_text()}" for d in self.inputs]
+        lines += [f"  dvc.lock {line}" for line in self.lock_inputs]
+        if not lines and self.record_files:
+            lines.append(f"  (no field named; files: {', '.join(self.record_files)})")
+        return lines
+
+
+def _git_show(clone: Path, rev: str, path: str) -> bytes | None:
+    shown = subprocess.run(
+        ["git", "show", f"{rev}:./{path}"], cwd=clone, capture_output=True, check=False
+    )
+    return shown.stdout if shown.returncode == 0 else None
+
+
+def _json(data: bytes | None) -> dict[str, Any]:
+    try:
+        value = json.loads(data) if data is not None else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def changed_paths(clone: Path) -> list[str]:
+    """Paths ``git status`` reports changed or new in ``clone`` (one per file)."""
+    done = subprocess.run(
+        ["git", "status", "--porcelain", "-z", "--untracked-files=all"],
+        cwd=clone,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise DataError(f"git status in {clone}: {done.stderr.strip() or 'failed'}")
+    return sorted({entry[3:] for entry in done.stdout.split("\0") if len(entry) > 3})
+
+
+def _lock_outs(data: bytes | None, skip: set[str]) -> dict[str, Any]:
+    """``{stage/path: md5}`` of every ``outs`` entry of a dvc.lock, but the paths in ``skip``."""
+    stages = (yaml.safe_load(data) or {}).get("stages", {}) if data else {}
+    return {
+        f"{name}/{out['path']}": out.get("md5")
+        for name, stage in stages.items()
+        for out in stage.get("outs", [])
+        if out["path"] not in skip
+    }
+
+
+def _lock_inputs(data: bytes | None, records: set[str]) -> dict[str, Any]:
+    """``{stage what: value}`` of a dvc.lock's commands, params and deps, but the record files.
+
+    The record files' md5 among the deps follow from the record, compared on its own.
+    """
+    stages = (yaml.safe_load(data) or {}).get("stages", {}) if data else {}
+    found: dict[str, Any] = {}
+    for name, stage in stages.items():
+        found[f"{name} cmd"] = stage.get("cmd")
+        found[f"{name} params"] = stage.get("params")
+        for dep in stage.get("deps", []):
+            if dep["path"] not in records:
+                found[f"{name} dep {dep['path']}"] = dep.get("md5")
+    return found
+
+
+def classify_changes(clone: Path, rev: str, changed: list[str]) -> ReferenceChanges:
+    """Split the files a rerun in ``clone`` changed against ``rev`` into outputs and record."""
+    env_path = str(stage_arguments("env", clone / "dvc.yaml").out)
+    run_path = str(stage_arguments("train", clone / "dvc.yaml").run_record)
+    records = {env_path, run_path}
+    found = ReferenceChanges()
+    for path in changed:
+        committed = _git_show(clone, rev, path)
+        fresh_file = clone / path
+        fresh = fresh_file.read_bytes() if fresh_file.is_file() else None
+        if path == env_path:
+            found.environment = compare_environments(_json(committed), _json(fresh))
+            found.record_files.append(path)
+        elif path == run_path:
+            old, new = _json(committed), _json(fresh)
+            found.inputs = compare_inputs(old.get("inputs", {}), new.get("inputs", {}))
+            found.record_files.append(path)
+            hashes = (old.get("outputs"), new.get("outputs"))
+            if hashes[0] != hashes[1]:
+                found.outputs.append(f"{path}: output hashes {hashes[0]} -> {hashes[1]}")
+        elif path == "dvc.lock":
+            found.record_files.append(path)
+            old_outs, new_outs = _lock_outs(committed, records), _lock_outs(fresh, records)
+            found.outputs += [
+                f"{path}: {out} md5 {old_outs.get(out)} -> {new_outs.get(out)}"
+                for out in sorted(set(old_outs) | set(new_outs))
+                if old_outs.get(out) != new_outs.get(out)
+            ]
+            old_in, new_in = _lock_inputs(committed, records), _lock_inputs(fresh, records)
+            found.lock_inputs += [
+                f"{key}: {old_in.get(key)!r} -> {new_in.get(key)!r}"
+                for key in sorted(set(old_in) | set(new_in))
+                if old_in.get(key) != new_in.get(key)
+            ]
+        elif committed is None:
+            found.outputs.append(f"{path}: new, not at {rev}")
+        elif committed != fresh:
+            found.outputs.append(path)
+    return found

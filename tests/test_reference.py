@@ -1,0 +1,151 @@
+"""`verify --reference`: one verdict, from what a rerun in a clone changed against git.
+
+The quick tests commit this checkout's real reference files (dvc.yaml, dvc.lock,
+reports/) into a small repository, change them as a rerun elsewhere would, and
+classify the change; the slow one runs `make check-reference`'s command end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from reprotrain.commands._reference import EXIT_RECORD_DIFFERS, changed_paths, classify_changes
+from tests.helpers import ROOT, commit_all, run_checked, run_cli
+
+REFERENCE_FILES = (
+    "dvc.yaml",
+    "dvc.lock",
+    "params.yaml",
+    "reports/environment.json",
+    "reports/run.json",
+    "reports/metrics.json",
+    "reports/train_metrics.json",
+)
+
+
+@pytest.fixture
+def reference(tmp_path: Path) -> Path:
+    repo = tmp_path / "ref"
+    for name in REFERENCE_FILES:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, repo / name)
+    run_checked("git", "init", "-q", cwd=repo)
+    commit_all(repo, "reference")
+    return repo
+
+
+def _rewrite_record(repo: Path, field: tuple[str, str], value: str) -> None:
+    """As a rerun on another host would: one environment field, and what follows from it."""
+    env_file = repo / "reports" / "environment.json"
+    record = json.loads(env_file.read_text())
+    record[field[0]][field[1]] = value
+    env_file.write_text(json.dumps(record, sort_keys=True))
+    run = json.loads((repo / "reports" / "run.json").read_text())
+    run["inputs"]["environment_sha256"] = "0" * 64
+    run["run_id"] = "1" * 64
+    (repo / "reports" / "run.json").write_text(json.dumps(run, sort_keys=True))
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    for stage in lock["stages"].values():
+        for dep in stage.get("deps", []):
+            if dep["path"] == "reports/environment.json":
+                dep["md5"] = "2" * 32
+        for out in stage.get("outs", []):
+            if out["path"] == "reports/run.json":
+                out["md5"] = "3" * 32
+    (repo / "dvc.lock").write_text(yaml.safe_dump(lock, sort_keys=False))
+
+
+def _change_model_md5(repo: Path) -> None:
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    for out in lock["stages"]["train"]["outs"]:
+        if out["path"] == "models/model.safetensors":
+            out["md5"] = "4" * 32
+    (repo / "dvc.lock").write_text(yaml.safe_dump(lock, sort_keys=False))
+
+
+def test_an_unchanged_clone_is_reproduced(reference: Path) -> None:
+    changes = classify_changes(reference, "HEAD", changed_paths(reference))
+    assert changes.outputs_identical and changes.record_identical
+
+
+def test_a_record_only_change_names_its_fields_and_keeps_outputs_identical(
+    reference: Path,
+) -> None:
+    _rewrite_record(reference, ("os", "system"), "Plan9")
+    changes = classify_changes(reference, "HEAD", changed_paths(reference))
+    assert changes.outputs_identical, changes.outputs
+    assert [d.key for d in changes.environment] == ["os.system"]
+    assert [d.key for d in changes.inputs] == ["environment_sha256"]
+    assert set(changes.record_files) == {
+        "dvc.lock",
+        "reports/environment.json",
+        "reports/run.json",
+    }
+    assert any("os.system: 'Linux' -> 'Plan9'" in line for line in changes.record_lines())
+
+
+def test_a_changed_model_is_an_output_difference_whatever_the_record(reference: Path) -> None:
+    # negative control: the same record change plus one output md5
+    _rewrite_record(reference, ("os", "system"), "Plan9")
+    _change_model_md5(reference)
+    changes = classify_changes(reference, "HEAD", changed_paths(reference))
+    assert not changes.outputs_identical
+    assert changes.outputs == [
+        f"dvc.lock: train/models/model.safetensors md5 {_committed_model_md5()} -> {'4' * 32}"
+    ]
+    assert [d.key for d in changes.environment] == ["os.system"]
+
+
+def test_changed_metrics_and_new_files_are_output_differences(reference: Path) -> None:
+    metrics = reference / "reports" / "metrics.json"
+    metrics.write_text(metrics.read_text().replace("0.", "1.", 1))
+    (reference / "reports" / "extra.csv").write_text("a\n")
+    changes = classify_changes(reference, "HEAD", changed_paths(reference))
+    assert changes.outputs == ["reports/extra.csv: new, not at HEAD", "reports/metrics.json"]
+    assert changes.record_identical
+
+
+def _committed_model_md5() -> str:
+    lock = yaml.safe_load((ROOT / "dvc.lock").read_text())
+    return next(
+        out["md5"]
+        for out in lock["stages"]["train"]["outs"]
+        if out["path"] == "models/model.safetensors"
+    )
+
+
+@pytest.mark.slow
+def test_check_reference_says_same_outputs_record_differs_with_its_own_exit_code(
+    repo_copy: Path,
+) -> None:
+    # the committed record says another OS; a rerun here trains the same bits
+    env_file = repo_copy / "reports" / "environment.json"
+    record = json.loads(env_file.read_text())
+    record["os"]["system"] = "Plan9"
+    env_file.write_text(json.dumps(record, sort_keys=True))
+    commit_all(repo_copy, "a reference recorded elsewhere")
+    result = run_cli("verify", "--reference", "HEAD", cwd=repo_copy)
+    out = result.stdout
+    assert result.returncode == EXIT_RECORD_DIFFERS, out + result.stderr
+    assert "SAME OUTPUTS, RECORD DIFFERS" in out
+    assert "os.system: 'Plan9' -> 'Linux'" in out
+    assert "NOT REPRODUCED" not in out and "IDENTICAL" not in out
+
+
+def test_a_stale_dep_in_dvc_lock_is_a_record_difference_not_an_output(reference: Path) -> None:
+    # the lock or the code changed since the reference was made; the outputs did not
+    lock = yaml.safe_load((reference / "dvc.lock").read_text())
+    for dep in lock["stages"]["train"]["deps"]:
+        if dep["path"] == "requirements-cpu.lock":
+            dep["md5"] = "5" * 32
+    (reference / "dvc.lock").write_text(yaml.safe_dump(lock, sort_keys=False))
+    changes = classify_changes(reference, "HEAD", changed_paths(reference))
+    assert changes.outputs_identical, changes.outputs
+    assert len(changes.lock_inputs) == 1
+    assert changes.lock_inputs[0].startswith("train dep requirements-cpu.lock: ")
+    assert changes.lock_inputs[0].endswith(f"-> '{'5' * 32}'")
