@@ -171,7 +171,7 @@ def test_a_run_without_reprotrain_says_which_interpreter_ran(tmp_path: Path) -> 
     # -S leaves out site-packages: as a `python` first on PATH outside the venv would
     lacking = run_cli("verify", "--", sys.executable, "-S", "-c", "import reprotrain", cwd=tmp_path)
     assert lacking.returncode == 2, lacking.stderr
-    (line,) = lacking.stderr.strip().splitlines()
+    (line,) = [x for x in lacking.stderr.splitlines() if x.startswith("reprotrain: error:")]
     assert "No module named 'reprotrain'" in line and "which has no reprotrain" in line
     assert f"-- {sys.executable} ..." in line
     # Negative control: another failure gets no interpreter hint.
