@@ -126,6 +126,8 @@ def _lock_inputs(data: bytes | None, records: set[str]) -> dict[str, Any]:
 
 def classify_changes(clone: Path, rev: str, changed: list[str]) -> ReferenceChanges:
     """Split the files a rerun in ``clone`` changed against ``rev`` into outputs and record."""
+    if not changed:  # nothing to split; the stages need not be the pipeline's
+        return ReferenceChanges()
     env_path = str(stage_arguments("env", clone / "dvc.yaml").out)
     run_path = str(stage_arguments("train", clone / "dvc.yaml").run_record)
     records = {env_path, run_path}
