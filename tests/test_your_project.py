@@ -25,12 +25,14 @@ FAULT_LINE = "tests/projects/digits.py:" + str(
     next(i for i, line in enumerate(_SOURCE, 1) if line.rstrip().endswith("# FAULT"))
 )
 #: project -> (its command for verify; the override that plants the fault; the clean verdict
-#: when verify compares every file: Hydra's log has timestamps, so only it differs)
+#: when verify compares every file: .hydra/*.yaml and LightningCLI's config.yaml record
+#: the run folder, compared with it as {out}; this project logs nothing itself, so Hydra's
+#: log holds no timestamp: tests/test_anyscript.py's Hydra app, which logs, gets exit 4)
 COMMANDS = {
     "hydra": (
         [sys.executable, str(PROJECTS / "hydra_train.py"), "hydra.run.dir={out}"],
         "model.fault=true",
-        "DIFFERS OUTSIDE TENSORS",
+        "IDENTICAL",
     ),
     "lightningcli": (
         [
@@ -44,7 +46,7 @@ COMMANDS = {
     ),
 }  # fmt: skip
 #: verify's exit code for each verdict (docs/any-script.md)
-EXIT = {"IDENTICAL": 0, "NOT REPRODUCIBLE": 1, "DIFFERS OUTSIDE TENSORS": 4}
+EXIT = {"IDENTICAL": 0, "NOT REPRODUCIBLE": 1}
 
 
 def _verify(project: str, work: Path, *options: str, extra: tuple[str, ...] = ()) -> dict:
