@@ -24,7 +24,7 @@ from pathlib import Path
 import lightning as L
 
 from reprotrain.determinism import configure_determinism
-from reprotrain.distributed import set_threads_per_rank, this_rank
+from reprotrain.distributed.ddp import set_threads_per_rank, this_rank
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.config import Params, load_params
 from reprotrain.pipeline.data import load_prepared, save_prepared

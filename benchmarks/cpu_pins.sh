@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Which CPU dispatch variables change the trained bits on this host (issue 15 groundwork).
 # Trains the train stage (3 epochs, no DataLoader workers) once per setting in fresh
-# processes and prints the first 16 hex digits of fingerprint_state_dict of the weights;
+# processes and prints the first 16 hex digits of sha256_state_dict of the weights;
 # equal digits mean bit-identical weights. Run from the repository root after `make venv`:
 #     bash benchmarks/cpu_pins.sh
 set -euo pipefail
@@ -21,7 +21,7 @@ run() {
 	env "$@" reprotrain train --data d.safetensors --env env.json --model "$name/m.safetensors" \
 		--metrics "$name/met.json" --plots "$name/plots" --run-record "$name/run.json" \
 		--checkpoints "$name/ck" -S train.max_epochs=3 -S data.num_workers=0 >/dev/null
-	printf '%-28s %s\n' "$name" "$(python -c "from reprotrain.hashing import fingerprint_state_dict as f, load_safetensors as l; print(f(l('$name/m.safetensors')[0])[:16])")"
+	printf '%-28s %s\n' "$name" "$(python -c "from reprotrain.hashing import sha256_state_dict as f, load_safetensors as l; print(f(l('$name/m.safetensors')[0])[:16])")"
 }
 grep -m1 "model name" /proc/cpuinfo
 run baseline X=1

@@ -180,7 +180,7 @@ def device_facts(device: str, lock: Path) -> dict[str, Any]:
     """GPU model, driver, CUDA, cuDNN, torch build, and the drift from ``lock``."""
     import torch
 
-    from reprotrain.environment import lock_status
+    from reprotrain.provenance.environment import lock_status
 
     facts: dict[str, Any] = {
         "device": device,
@@ -223,10 +223,10 @@ def _nvidia_smi(field: str) -> str | None:
 
 def compare_runs(a: Path, b: Path) -> dict[str, Any]:
     """Bitwise equality of two runs' files; on a difference, by how much and where first."""
+    from reprotrain.compare.weights import compare_weights
     from reprotrain.hashing import load_safetensors, sha256_file
-    from reprotrain.trace import load_trace
-    from reprotrain.tracediff import compare_traces
-    from reprotrain.weightdiff import compare_weights
+    from reprotrain.trace.diff import compare_traces
+    from reprotrain.trace.tracefile import load_trace
 
     equal = {name: sha256_file(a / name) == sha256_file(b / name) for name in RUN_FILES}
     weights = compare_weights(

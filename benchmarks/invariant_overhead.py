@@ -86,7 +86,7 @@ def time_draws() -> None:
 
     import numpy as np
 
-    from reprotrain.invariant import sample_integers, sample_rng
+    from reprotrain.distributed.worldsize import sample_integers, sample_rng
 
     key, calls = (2**61 + 5, 17), 20000
     draws = {

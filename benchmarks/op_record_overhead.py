@@ -1,4 +1,4 @@
-"""Time of one recorded training step against a plain one (``reprotrain.oprecord``).
+"""Time of one recorded training step against a plain one (``reprotrain.ops.recorder``).
 
 A plain PyTorch loop (forward, backward, Adam step) on CPU, for the
 pipeline's default network (batch 64) and a ~10M-parameter MLP (batch 64).
@@ -37,11 +37,11 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _workspace import ROOT
-from reprotrain import oprecord
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
 from reprotrain.hashing import canonical_json, load_safetensors
-from reprotrain.oprecord import _crc, record_step
+from reprotrain.ops import recorder as oprecord
+from reprotrain.ops.recorder import _crc, record_step
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.model import build_network
 from trace_overhead import MLP

@@ -62,7 +62,7 @@ from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import PreparedDataModule, load_prepared
 from reprotrain.pipeline.model import Classifier
-from reprotrain.trace import DEFAULT_WEIGHTS_EVERY, TraceCallback
+from reprotrain.trace.callback import DEFAULT_WEIGHTS_EVERY, TraceCallback
 
 MODES = ("off", "default", "full")
 

@@ -16,18 +16,18 @@ import numpy as np
 import pytest
 import torch
 
-from reprotrain.diffreport import ComparisonReport
-from reprotrain.envdiff import classify_env_key, compare_environments
+from reprotrain.compare.report import ComparisonReport
+from reprotrain.compare.weights import compare_weights
 from reprotrain.hashing import canonical_json
-from reprotrain.trace import Trace, load_trace
-from reprotrain.tracediff import (
+from reprotrain.provenance.envdiff import classify_env_key, compare_environments
+from reprotrain.trace.diff import (
     DIAGNOSES,
     TraceDiff,
     compare_traces,
     plot_losses,
     with_op_diagnosis,
 )
-from reprotrain.weightdiff import compare_weights
+from reprotrain.trace.tracefile import Trace, load_trace
 from tests.test_trace import (
     BATCH_SIZE,
     STEPS_PER_EPOCH,

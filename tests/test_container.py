@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from reprotrain.environment import environment_fingerprint
 from reprotrain.hashing import sha256_file
+from reprotrain.provenance.environment import environment_sha256
 from tests.helpers import ROOT, copy_checkout
 
 pytestmark = pytest.mark.container
@@ -203,7 +203,7 @@ def test_two_container_runs_of_the_pipeline_give_identical_bits(
     assert record["container"] == {"base_image": STANDIN, "image_id": image}
     assert (record["lock"]["file"], record["lock"]["exact"]) == ("requirements.lock", True)
     inputs = json.loads((first / "reports/run.json").read_text())["inputs"]
-    assert inputs["environment_sha256"] == environment_fingerprint(record)
+    assert inputs["environment_sha256"] == environment_sha256(record)
     assert inputs["lock_sha256"] == sha256_file(ROOT / "requirements.lock")
     # DVC's hash state lives on the mounted volume, not in the discarded container.
     assert any((first / ".dvc/tmp/site_cache").rglob("*")), "site cache not on the volume"

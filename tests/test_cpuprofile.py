@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from reprotrain.cpuprofile import CpuProfile
-from reprotrain.environment import bit_deciding, capture_environment
-from reprotrain.hashing import fingerprint_state_dict, load_safetensors
+from reprotrain.hashing import load_safetensors, sha256_state_dict
+from reprotrain.provenance.environment import bit_deciding, capture_environment
 from tests.helpers import ROOT, run_checked, run_cli, run_in_process, train_argv
 
 LOCK = ROOT / "requirements-cpu.lock"
@@ -44,7 +44,7 @@ def _train(prepared: Path, env: Path, out: Path, *extra: str, **variables: str) 
     result = run_cli(*train_argv(prepared, env, out, *SHORT, *extra), cwd=out.parent, **variables)
     assert result.returncode == 0, result.stderr
     files = (out / "model.safetensors", out / "trace.safetensors")
-    return tuple(fingerprint_state_dict(load_safetensors(f)[0]) for f in files)
+    return tuple(sha256_state_dict(load_safetensors(f)[0]) for f in files)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_bad_profile_params_name_the_key(override: str, key: str) -> None:
 def test_another_cpu_family_leaves_the_key_alone_only_under_portable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import reprotrain.environment as environment
+    import reprotrain.provenance.environment as environment
 
     here = {
         p: bit_deciding(capture_environment(LOCK, cpu_profile=CpuProfile(p)))

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from reprotrain.determinism import DeterminismError
-from reprotrain.distributed import RankAgreement, distributed_layout
-from reprotrain.environment import capture_environment, collective_variables
+from reprotrain.distributed.ddp import RankAgreement, distributed_layout
 from reprotrain.hashing import sha256_file
 from reprotrain.pipeline.config import ConfigError, load_params
 from reprotrain.pipeline.data import ShardSampler
-from reprotrain.trace import load_trace
+from reprotrain.provenance.environment import capture_environment, collective_variables
+from reprotrain.trace.tracefile import load_trace
 from tests.helpers import (
     ROOT,
     kill_after_checkpoint,
@@ -191,13 +191,13 @@ def test_nccl_settings_are_in_the_environment_record_and_the_layout(monkeypatch)
 
 def test_ranks_that_disagree_all_stop_with_one_message(monkeypatch) -> None:
     facts = [{"run_id": "aaa", "resume_from": None}, {"run_id": "bbb", "resume_from": None}]
-    monkeypatch.setattr("reprotrain.distributed.gather_from_ranks", lambda _: facts)
+    monkeypatch.setattr("reprotrain.distributed.ddp.gather_from_ranks", lambda _: facts)
     with pytest.raises(DeterminismError, match=r"rank 1 has run_id='bbb' \(rank 0: 'aaa'\)"):
         RankAgreement(facts[0]).setup(None, None, "fit")  # type: ignore[arg-type]
     with pytest.warns(UserWarning, match="ranks disagree"):
         RankAgreement(facts[0], strict=False).setup(None, None, "fit")  # type: ignore[arg-type]
     agreeing = [facts[0], dict(facts[0])]
-    monkeypatch.setattr("reprotrain.distributed.gather_from_ranks", lambda _: agreeing)
+    monkeypatch.setattr("reprotrain.distributed.ddp.gather_from_ranks", lambda _: agreeing)
     RankAgreement(facts[0]).setup(None, None, "fit")  # type: ignore[arg-type]
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from reprotrain.environment import (
+from reprotrain.hashing import canonical_json, sha256_file
+from reprotrain.provenance.environment import (
     capture_environment,
-    environment_fingerprint,
+    environment_sha256,
     git_state,
     lock_status,
 )
-from reprotrain.hashing import canonical_json, sha256_file
 from tests.helpers import ROOT, cli_env, commit_all, run_checked, run_cli
 
 LOCK = ROOT / "requirements-cpu.lock"
@@ -62,15 +62,15 @@ def test_a_drifted_pin_is_listed(tmp_path: Path) -> None:
         (("variables", "OMP_NUM_THREADS"), "7"),
     ],
 )
-def test_any_recorded_change_changes_the_fingerprint(path: tuple[str, ...], value: object) -> None:
+def test_any_recorded_change_changes_the_sha256(path: tuple[str, ...], value: object) -> None:
     record = capture_environment(LOCK)
     changed = copy.deepcopy(record)
     node = changed
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = value
-    assert environment_fingerprint(changed) != environment_fingerprint(record)
-    assert environment_fingerprint(copy.deepcopy(record)) == environment_fingerprint(record)
+    assert environment_sha256(changed) != environment_sha256(record)
+    assert environment_sha256(copy.deepcopy(record)) == environment_sha256(record)
 
 
 def test_git_state_sees_dirt_but_not_excluded_outputs(tmp_path: Path) -> None:
@@ -137,7 +137,7 @@ def test_inside_the_image_the_record_carries_its_digest_and_id(
     monkeypatch.setenv("REPROTRAIN_IMAGE_ID", image_id)
     inside = capture_environment(LOCK)
     assert inside["container"] == {"base_image": base, "image_id": image_id}
-    assert environment_fingerprint(inside) != environment_fingerprint(outside)
+    assert environment_sha256(inside) != environment_sha256(outside)
 
 
 def _env_stage(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], dict]:

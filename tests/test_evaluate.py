@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from reprotrain.provenance import md5_file
+from reprotrain.provenance.dvcchecksum import md5_file
 from tests.helpers import ROOT, run_cli, stage_argv
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from reprotrain.filediff import compare_files, file_kind
+from reprotrain.compare.files import compare_files, file_kind
 from reprotrain.hashing import safetensors_metadata
 
 

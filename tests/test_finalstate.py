@@ -13,17 +13,18 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from reprotrain.compare.files import compare_files
 from reprotrain.determinism import configure_determinism
-from reprotrain.filediff import compare_files
-from reprotrain.finalstate import (
+from reprotrain.hashing import load_safetensors
+from reprotrain.trace.callback import TraceCallback
+from reprotrain.trace.diff import compare_traces
+from reprotrain.trace.finalstate import (
     FinalStateCallback,
     final_fingerprints,
     final_state,
     write_final_state,
 )
-from reprotrain.hashing import load_safetensors
-from reprotrain.trace import TraceCallback, load_trace
-from reprotrain.tracediff import compare_traces
+from reprotrain.trace.tracefile import load_trace
 from tests.helpers import ROOT, run_cli
 
 STEPS = 10

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from reprotrain.hashing import canonical_json, fingerprint_state_dict, sha256_file
+from reprotrain.hashing import canonical_json, sha256_file, sha256_state_dict
 from tests.helpers import cli_env
 
 
@@ -18,23 +18,23 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def test_equal_tensors_give_equal_fingerprints() -> None:
-    assert fingerprint_state_dict(_state()) == fingerprint_state_dict(
+    assert sha256_state_dict(_state()) == sha256_state_dict(
         dict(reversed(_state().items()))
     )
 
 
-def test_one_ulp_changes_the_fingerprint() -> None:
+def test_one_ulp_changes_the_sha256() -> None:
     changed = _state()
     changed["b"][1] = torch.nextafter(changed["b"][1], torch.tensor(2.0))
-    assert fingerprint_state_dict(changed) != fingerprint_state_dict(_state())
+    assert sha256_state_dict(changed) != sha256_state_dict(_state())
 
 
 def test_signed_zero_name_shape_and_dtype_all_count() -> None:
-    base = fingerprint_state_dict({"w": torch.zeros(2)})
-    assert base != fingerprint_state_dict({"w": -torch.zeros(2)})
-    assert base != fingerprint_state_dict({"v": torch.zeros(2)})
-    assert base != fingerprint_state_dict({"w": torch.zeros(1, 2)})
-    assert base != fingerprint_state_dict({"w": torch.zeros(2, dtype=torch.float64)})
+    base = sha256_state_dict({"w": torch.zeros(2)})
+    assert base != sha256_state_dict({"w": -torch.zeros(2)})
+    assert base != sha256_state_dict({"v": torch.zeros(2)})
+    assert base != sha256_state_dict({"w": torch.zeros(1, 2)})
+    assert base != sha256_state_dict({"w": torch.zeros(2, dtype=torch.float64)})
 
 
 def test_canonical_json_is_order_independent() -> None:

@@ -20,13 +20,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from reprotrain.hashing import sha256_file
-from reprotrain.invariant import (
+from reprotrain.distributed.worldsize import (
     MicroBatchSampler,
     invariant_layout_problem,
     sample_integers,
     tree_sum,
 )
+from reprotrain.hashing import sha256_file
 from reprotrain.pipeline.config import ConfigError, load_params
 from tests.helpers import ROOT, RUN_OUTPUTS, cli_env, run_checked, run_cli, train_argv
 

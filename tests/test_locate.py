@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from reprotrain.modulediff import locate_divergence
+from reprotrain.compare.modules import locate_divergence
 from tests.test_trace import NoisyFromStep, NoisyGradFromStep, TinyNet, tiny_data
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from reprotrain.nondeterminism import OpCase, Thunk, probe_op
-from reprotrain.opcatalog import CATALOG
+from reprotrain.ops.catalog import CATALOG
+from reprotrain.ops.probes import OpCase, Thunk, probe_op
 from tests.helpers import ROOT, run_cli
 
 CPU = torch.device("cpu")

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from reprotrain.hashing import load_safetensors, safetensors_metadata
-from reprotrain.opalign import OpRecordError, compare_recordings
-from reprotrain.oprecord import record_step
+from reprotrain.ops.align import OpRecordError, compare_recordings
+from reprotrain.ops.recorder import record_step
 from tests.helpers import ROOT, run_cli
 
 SCRIPT = ROOT / "tests" / "scripts" / "fault_loop.py"

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from reprotrain.environment import environment_fingerprint
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.stages.env import record_environment, whole_environment
+from reprotrain.provenance.environment import environment_sha256
 from tests.helpers import ROOT, cli_env
 
 LOCK = ROOT / "requirements-cpu.lock"
@@ -61,17 +61,17 @@ def test_patch_level_and_glibc_leave_the_cache_key_and_run_id_alone(
     elsewhere = whole_environment(LOCK)
     assert elsewhere["host"]["python"] == "3.11.2" and elsewhere["host"]["libc"] == "glibc-2.41"
     # the run ID covers the environment through this fingerprint (run_record.run_inputs)
-    assert environment_fingerprint(record_environment(LOCK)) == environment_fingerprint(here)
+    assert environment_sha256(record_environment(LOCK)) == environment_sha256(here)
 
 
 def test_a_field_that_decides_the_bits_still_moves_the_cache_key() -> None:
     # negative control: cpu.profile native (and cpu.threads) were shown to change the bits
     params = load_params(ROOT / "params.yaml")
-    here = environment_fingerprint(record_environment(LOCK, params))
+    here = environment_sha256(record_environment(LOCK, params))
     native = dataclasses.replace(params, cpu=dataclasses.replace(params.cpu, profile="native"))
     threads = dataclasses.replace(params, cpu=dataclasses.replace(params.cpu, threads=2))
-    assert environment_fingerprint(record_environment(LOCK, native)) != here
-    assert environment_fingerprint(record_environment(LOCK, threads)) != here
+    assert environment_sha256(record_environment(LOCK, native)) != here
+    assert environment_sha256(record_environment(LOCK, threads)) != here
 
 
 def test_env_diff_still_shows_the_patch_level_beside_the_records(tmp_path: Path) -> None:

@@ -9,17 +9,11 @@ from pathlib import Path
 import pytest
 
 from reprotrain.determinism import configure_determinism
-from reprotrain.environment import capture_environment
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.stages import train
-from reprotrain.provenance import (
-    ChecksumError,
-    code_hash,
-    md5_file,
-    run_id,
-    source_files,
-    verify_dvc_checksum,
-)
+from reprotrain.provenance.dvcchecksum import ChecksumError, md5_file, verify_dvc_checksum
+from reprotrain.provenance.environment import capture_environment
+from reprotrain.provenance.identity import code_hash, run_id, source_files
 from tests.helpers import ROOT, commit_all, run_checked, run_cli, stage_argv
 
 pytestmark = pytest.mark.usefixtures("restore_torch_flags")
@@ -95,9 +89,9 @@ def test_checksum_mismatch_names_both_checksums(tmp_path: Path) -> None:
 
 def test_fingerprint_prints_the_run_id_of_the_last_run(dvc_repo: Path) -> None:
     recorded = json.loads((dvc_repo / "reports/run.json").read_text())
-    printed = run_checked("reprotrain", "fingerprint", cwd=dvc_repo).strip().splitlines()[-1]
+    printed = run_checked("reprotrain", "run-id", cwd=dvc_repo).strip().splitlines()[-1]
     assert printed == recorded["run_id"]
-    other = run_checked("reprotrain", "fingerprint", "--seed", "1", cwd=dvc_repo).strip()
+    other = run_checked("reprotrain", "run-id", "--seed", "1", cwd=dvc_repo).strip()
     assert other.splitlines()[-1] != printed
 
 

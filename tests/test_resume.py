@@ -19,7 +19,7 @@ import yaml
 
 from reprotrain.cpuprofile import CpuProfile
 from reprotrain.determinism import configure_determinism
-from reprotrain.hashing import fingerprint_state_dict, sha256_file
+from reprotrain.hashing import sha256_file, sha256_state_dict
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import ResumableLoader, ShiftedImages, load_prepared
 from reprotrain.pipeline.stages import train
@@ -59,7 +59,7 @@ def _fit(prepared: Path, epochs: int, run_dir: Path, resume=None, random_state=T
     module, _ = train.fit(
         params, load_prepared(prepared), settings, run_dir, "run", resume, random_state
     )
-    return fingerprint_state_dict(module.net.state_dict())
+    return sha256_state_dict(module.net.state_dict())
 
 
 def test_resume_at_an_epoch_boundary_is_bitwise_equal(prepared: Path, tmp_path: Path) -> None:

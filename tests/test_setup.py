@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from reprotrain.environment import read_lock_pins
+from reprotrain.provenance.environment import read_lock_pins
 from tests.helpers import ROOT
 
 MINOR = f"{sys.version_info.major}.{sys.version_info.minor}"

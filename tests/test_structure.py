@@ -15,7 +15,7 @@ import yaml
 from reprotrain.pipeline.arguments import COMMANDS, stage_arguments
 from reprotrain.pipeline.arguments import STAGES as ARGUMENT_STAGES
 from reprotrain.pipeline.errors import DataError
-from reprotrain.provenance import source_files
+from reprotrain.provenance.identity import source_files
 from tests.helpers import ROOT
 
 SRC = ROOT / "src"
@@ -75,12 +75,12 @@ def test_imports_run_only_from_the_cli_down_to_the_library() -> None:
 def test_a_planted_reverse_import_is_found(tmp_path: Path) -> None:
     copy = tmp_path / "reprotrain"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    with (copy / "trace.py").open("a") as f:
+    with (copy / "trace" / "callback.py").open("a") as f:
         f.write("\n\ndef _planted() -> None:\n    from reprotrain.pipeline.config import Params\n")
     (copy / "pipeline" / "model.py").write_text("import reprotrain.pipeline.stages.train\n")
     assert layering_violations(copy) == [
         "reprotrain.pipeline.model (pipeline) imports reprotrain.pipeline.stages.train",
-        "reprotrain.trace (library) imports reprotrain.pipeline.config",
+        "reprotrain.trace.callback (library) imports reprotrain.pipeline.config",
     ]
 
 

@@ -26,9 +26,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from reprotrain import devicehash
+from reprotrain import fingerprint as devicehash
 from reprotrain.determinism import configure_determinism
-from reprotrain.devicehash import (
+from reprotrain.fingerprint import (
     bytes_fingerprints,
     fingerprint,
     fingerprints,
@@ -36,15 +36,10 @@ from reprotrain.devicehash import (
     host_fingerprints,
     tensor_bytes,
 )
-from reprotrain.rngstate import RngDigests, capture_rng, hash_bytes
-from reprotrain.trace import (
-    DEFAULT_WEIGHTS_EVERY,
-    RECORDS,
-    TraceCallback,
-    load_trace,
-    rng_states,
-)
-from reprotrain.tracediff import compare_traces
+from reprotrain.trace.callback import DEFAULT_WEIGHTS_EVERY, TraceCallback
+from reprotrain.trace.diff import compare_traces
+from reprotrain.trace.rngstate import RngDigests, capture_rng, hash_bytes, rng_states
+from reprotrain.trace.tracefile import RECORDS, load_trace
 
 STEPS_PER_EPOCH = 8
 BATCH_SIZE = 8
@@ -437,7 +432,7 @@ def test_rng_captures_read_in_place_are_the_libraries_own_states() -> None:
 def test_rng_captures_fall_back_to_the_libraries_where_a_layout_is_unknown(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from reprotrain import rngstate
+    from reprotrain.trace import rngstate
 
     monkeypatch.setattr(rngstate, "_gauss_offset", lambda: None)
     monkeypatch.setattr(rngstate, "_python_layout_known", lambda generator: False)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reprotrain.hashing import fingerprint_state_dict, load_safetensors, sha256_file
+from reprotrain.hashing import load_safetensors, sha256_file, sha256_state_dict
 from tests.helpers import RUN_OUTPUTS, run_cli, train_argv
 
 EPOCHS = "3"
@@ -49,7 +49,7 @@ def test_same_seed_gives_identical_weights(runs: dict[str, Path]) -> None:
     a, b = _weights(runs["a"]), _weights(runs["b"])
     assert a.keys() == b.keys()
     assert all(torch.equal(a[name], b[name]) for name in a)
-    assert fingerprint_state_dict(a) == fingerprint_state_dict(b)
+    assert sha256_state_dict(a) == sha256_state_dict(b)
 
 
 def test_same_seed_gives_identical_output_files(runs: dict[str, Path]) -> None:
@@ -92,7 +92,7 @@ def test_checkpoint_frequency_and_trace_detail_do_not_change_the_bits(
     # Saving a checkpoint or tracing reads the random state but must never consume it. (The
     # files differ: the weights file's metadata records the params, these included.)
     a, every = _weights(runs["a"]), _weights(runs["every_epoch"])
-    assert fingerprint_state_dict(every) == fingerprint_state_dict(a)
+    assert sha256_state_dict(every) == sha256_state_dict(a)
 
 
 def test_compare_says_identical_for_the_same_seed(runs: dict[str, Path]) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reprotrain.environment import read_lock_pins
+from reprotrain.provenance.environment import read_lock_pins
 from tests.helpers import ROOT
 
 WORKFLOW = ROOT / ".github" / "workflows" / "reproducibility.yml"

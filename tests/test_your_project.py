@@ -38,7 +38,7 @@ COMMANDS = {
         [
             sys.executable, str(PROJECTS / "cli_train.py"), "fit",
             "--config", str(PROJECTS / "cli.yaml"), "--trainer.default_root_dir={out}",
-            "--trainer.callbacks+=reprotrain.trace.TraceCallback",
+            "--trainer.callbacks+=reprotrain.trace.callback.TraceCallback",
             "--trainer.callbacks.path={out}/trace.safetensors",
         ],
         "--model.fault=true",

@@ -41,7 +41,7 @@ REEXEC = (
     "prepare",
     "train",
     "evaluate",
-    "fingerprint",
+    "run-id",
     "checklist",
     "status",
     "verify",
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from reprotrain.determinism import DeterminismError
     from reprotrain.pipeline.config import ConfigError, load_params, render_defaults
     from reprotrain.pipeline.errors import DataError, Interrupted
-    from reprotrain.provenance import ChecksumError
+    from reprotrain.provenance.dvcchecksum import ChecksumError
 
     def bad_input() -> tuple[type[Exception], ...]:
         # Evaluated when an exception is matched. reprotrain.resume imports Lightning

@@ -1,6 +1,6 @@
 """Content hashes that identify bits, not objects.
 
-``fingerprint_state_dict`` hashes every tensor's name, dtype, shape and raw
+``sha256_state_dict`` hashes every tensor's name, dtype, shape and raw
 bytes in name order, so two models have the same fingerprint exactly when
 ``torch.equal`` holds for every tensor (and -0.0 vs 0.0 or NaN payloads count
 as different, as they should when the claim is "same bits"). ``sha256_file``
@@ -39,7 +39,7 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def fingerprint_state_dict(state_dict: Mapping[str, torch.Tensor]) -> str:
+def sha256_state_dict(state_dict: Mapping[str, torch.Tensor]) -> str:
     """Hex sha256 over (name, dtype, shape, bytes) of every tensor, in name order."""
     digest = hashlib.sha256()
     for name in sorted(state_dict):

@@ -49,7 +49,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
 
 from reprotrain.atomic import atomic_write_bytes, atomic_write_text
-from reprotrain.distributed import gather_from_ranks, own_entry
+from reprotrain.distributed.ddp import gather_from_ranks, own_entry
 from reprotrain.hashing import sha256_file
 
 RUN_ID_KEY = "reprotrain_run_id"

@@ -89,7 +89,7 @@ if os.environ.get("REPROTRAIN_TEST_KILL_AT") is not None:
     import signal
 
     import reprotrain.pipeline.stages.train as pipeline_train
-    import reprotrain.trace as trace_module
+    import reprotrain.trace.callback as trace_module
 
     where = os.environ["REPROTRAIN_TEST_KILL_AT"]
 
@@ -116,7 +116,7 @@ if os.environ.get("REPROTRAIN_TEST_KILL_AT") is not None:
         pipeline_train.write_run_record = _killing(pipeline_train.write_run_record, after=True)
 
 if os.environ.get("REPROTRAIN_TEST_CPU") == "xeon-avx512":
-    import reprotrain.environment as environment
+    import reprotrain.provenance.environment as environment
 
     def cpu_facts() -> dict:
         flags = ["sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw"]

@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from reprotrain.determinism import configure_determinism
-from reprotrain.oprecord import OpRecorder
-from reprotrain.trace import TraceCallback
+from reprotrain.ops.recorder import OpRecorder
+from reprotrain.trace.callback import TraceCallback
 
 
 class Jittered(Dataset):

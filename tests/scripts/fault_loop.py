@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from reprotrain.determinism import configure_determinism  # noqa: E402
-from reprotrain.oprecord import record_step  # noqa: E402
+from reprotrain.ops.recorder import record_step  # noqa: E402
 
 BRANCHES = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta")
 

@@ -24,8 +24,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from reprotrain.determinism import configure_determinism
-from reprotrain.distributed import ddp_strategy
-from reprotrain.invariant import (
+from reprotrain.distributed.ddp import ddp_strategy
+from reprotrain.distributed.worldsize import (
     MicroBatchSampler,
     WorldSizeInvariantStrategy,
     sample_rng,

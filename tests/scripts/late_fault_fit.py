@@ -24,8 +24,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from reprotrain.determinism import configure_determinism
-from reprotrain.finalstate import FinalStateCallback
-from reprotrain.trace import TraceCallback
+from reprotrain.trace.callback import TraceCallback
+from reprotrain.trace.finalstate import FinalStateCallback
 
 STEPS, PLANT_STEP = 38, 37
 

@@ -1,6 +1,6 @@
 """The ``reprotrain`` verbs that are not pipeline stages, one module each.
 
-``fingerprint``, ``checklist``, ``verify``, ``compare``, ``locate``,
+``run-id``, ``checklist``, ``verify``, ``compare``, ``locate``,
 ``noise_floor``, ``bench`` and ``ops``; modules starting with ``_`` are their
 shared helpers (``_rerun``: train again in fresh processes; ``_rundiff``: a
 run's files, found in a folder or at a git revision, and two runs compared).

@@ -6,18 +6,18 @@ scratch folder: ``{out}`` in CMD is replaced by it and ``REPROTRAIN_OUT``
 names it; ``REPROTRAIN_RUN_INDEX`` is the run's number; a line on stderr says
 when each run starts and how long it took. The files the user names with
 ``--output`` (default: every file any run wrote there) each get a verdict from
-:func:`reprotrain.filediff.compare_files` (tensors, checkpoints, any other
+:func:`reprotrain.compare.files.compare_files` (tensors, checkpoints, any other
 file by bytes with the run's folder as ``{out}``); every other run is
 compared with run 0. When a tensor differs it goes down a level at a time:
 
 1. which tensors differ, by how much (a trace's fingerprints: which differ);
-2. the first diverging step, when a trace (:class:`~reprotrain.trace.TraceCallback`)
-   is among the outputs (:mod:`reprotrain.tracediff`);
+2. the first diverging step, when a trace (:class:`~reprotrain.trace.callback.TraceCallback`)
+   is among the outputs (:mod:`reprotrain.trace.diff`);
 3. the first diverging op: runs 0 and 1 again with ``REPROTRAIN_RECORD_OPS``
    set to that step (``--ops-step`` when there is no trace; default 0), which
-   :class:`~reprotrain.oprecord.OpRecorder` and
-   :func:`~reprotrain.oprecord.record_step` read, and aligns the two
-   recordings (:mod:`reprotrain.opalign`).
+   :class:`~reprotrain.ops.recorder.OpRecorder` and
+   :func:`~reprotrain.ops.recorder.record_step` read, and aligns the two
+   recordings (:mod:`reprotrain.ops.align`).
 
 Exit codes (:data:`EXIT_CODES`), worst file first: 1 NOT REPRODUCIBLE (a
 tensor differs; the scratch folders are kept); 5 UNREADABLE (a file cannot be
@@ -45,11 +45,11 @@ from typing import Any
 
 from reprotrain.commands._rundiff import OPS_FOLDER
 from reprotrain.commands.run import command_of, launch_environment
-from reprotrain.filediff import FileVerdict, compare_files, one_sided
+from reprotrain.compare.files import FileVerdict, compare_files, one_sided
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.arguments import DVC_YAML
 from reprotrain.pipeline.errors import DataError
-from reprotrain.tracefile import is_trace_file, load_trace
+from reprotrain.trace.tracefile import is_trace_file, load_trace
 
 EXIT_DIFFERENT = 1
 
@@ -242,9 +242,9 @@ def _locate(
 ) -> dict[str, Any]:
     """Down to the step (a trace among the outputs) and the op (a recording of that step)."""
     # torch and Lightning: only when a tensor differs
-    from reprotrain.opalign import OpRecordError, compare_recordings
-    from reprotrain.oprecord import DIR_VARIABLE, WINDOW_VARIABLE
-    from reprotrain.tracediff import compare_traces, with_op_diagnosis
+    from reprotrain.ops.align import OpRecordError, compare_recordings
+    from reprotrain.ops.recorder import DIR_VARIABLE, WINDOW_VARIABLE
+    from reprotrain.trace.diff import compare_traces, with_op_diagnosis
 
     out: dict[str, Any] = {}
     step = ops_step

@@ -27,9 +27,9 @@ from typing import Any
 
 import yaml
 
-from reprotrain.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
 from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.errors import DataError
+from reprotrain.provenance.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
 
 #: Exit code of ``verify --reference`` when the outputs are the committed bytes but the
 #: deciding record (environment record, run ID) is not: a CI job may choose to accept it.

@@ -33,15 +33,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reprotrain.atomic import atomic_path
-from reprotrain.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
-from reprotrain.environment import HOST_FILE, HOST_KEY
 from reprotrain.hashing import sha256_file
 from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.errors import DataError
+from reprotrain.provenance.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
+from reprotrain.provenance.environment import HOST_FILE, HOST_KEY
 
 if TYPE_CHECKING:  # torch and Lightning load only when two runs differ (verify stays fast)
-    from reprotrain.diffreport import ComparisonReport
-    from reprotrain.trace import Trace
+    from reprotrain.compare.report import ComparisonReport
+    from reprotrain.trace.tracefile import Trace
 
 #: File names in a flat run folder (what `reprotrain verify` writes per run).
 FLAT = {
@@ -148,7 +148,7 @@ def named_files(spec: str, model: str | None = None, trace: str | None = None) -
     """A single safetensors file, or the files ``model``/``trace`` name inside a folder."""
     path = Path(spec)
     if path.is_file():
-        from reprotrain.tracefile import is_trace_file
+        from reprotrain.trace.tracefile import is_trace_file
 
         try:
             is_trace = is_trace_file(path)
@@ -197,7 +197,7 @@ def _with_host(path: Path | None) -> dict[str, Any]:
 
 
 def _trace(path: Path | None) -> Trace | None:
-    from reprotrain.trace import load_trace
+    from reprotrain.trace.tracefile import load_trace
 
     if path is None:
         return None
@@ -271,13 +271,13 @@ def with_op_diff(result: RunComparison, a: Path, b: Path, matched: str = "") -> 
 
     ``matched`` is added to the text when the recordings are identical.
     """
-    from reprotrain.opalign import OpRecordError, compare_recordings
+    from reprotrain.ops.align import OpRecordError, compare_recordings
 
     try:
         found = compare_recordings(a, b)
     except OpRecordError as err:
         return dataclasses.replace(result, ops_text=f"op recordings: {err}")
-    from reprotrain.tracediff import with_op_diagnosis
+    from reprotrain.trace.diff import with_op_diagnosis
 
     text = found.to_text() + (matched if found.identical else "")
     report = result.report
@@ -330,10 +330,10 @@ def _explain(
     plot: Path | None,
 ) -> ComparisonReport:
     """The library's comparison of traces and weights (imports torch), and the loss plot."""
-    from reprotrain.diffreport import ComparisonReport
+    from reprotrain.compare.report import ComparisonReport
+    from reprotrain.compare.weights import compare_weights
     from reprotrain.hashing import load_safetensors
-    from reprotrain.tracediff import compare_traces, plot_losses
-    from reprotrain.weightdiff import compare_weights
+    from reprotrain.trace.diff import compare_traces, plot_losses
 
     trace_a, trace_b = _trace(a.trace), _trace(b.trace)
     if plot is not None and trace_a and trace_b:

@@ -26,12 +26,12 @@ from typing import Any, Literal
 
 import yaml
 
-from reprotrain.envdiff import compare_environments
-from reprotrain.environment import HOST_KEY, bit_deciding, git_state
 from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.stages.env import whole_environment
-from reprotrain.provenance import md5_file
+from reprotrain.provenance.dvcchecksum import md5_file
+from reprotrain.provenance.envdiff import compare_environments
+from reprotrain.provenance.environment import HOST_KEY, bit_deciding, git_state
 
 PARAMS: tuple[str, ...] = ()
 Status = Literal["pass", "warn", "fail"]

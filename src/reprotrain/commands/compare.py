@@ -4,8 +4,8 @@ A and B are folders (a repository after ``dvc repro``, or a run folder that
 ``reprotrain verify`` kept), git revisions of the current repository, or any
 script's outputs: folders with ``--model``/``--trace`` naming the files in
 them, or two safetensors files (weights, or traces). When both folders hold
-op recordings (``ops/``, from :mod:`reprotrain.oprecord`), the first op they
-disagree on is added (:mod:`reprotrain.opalign`). The
+op recordings (``ops/``, from :mod:`reprotrain.ops.recorder`), the first op they
+disagree on is added (:mod:`reprotrain.ops.align`). The
 answer is "identical", or the first diverging step and record with its
 diagnosis (batch: data pipeline; RNG: random consumption; gradients with the
 same batch and parameters: a non-deterministic kernel, then run ``reprotrain

@@ -5,7 +5,7 @@ the pipeline's model twice on the same batch (the first ``data.batch_size``
 training samples, unaugmented) from the same parameters, under the params'
 determinism settings, and names the first module (path and type) whose
 forward output or gradient differs, using
-:func:`reprotrain.modulediff.locate_divergence`. With ``--deterministic false``
+:func:`reprotrain.compare.modules.locate_divergence`. With ``--deterministic false``
 it shows what the default kernels do; with ``true`` what the run would get.
 
 Exit codes: 0 both steps identical, 1 a module differs, 2 bad input,
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from reprotrain.compare.modules import locate_divergence
 from reprotrain.determinism import configure_determinism
-from reprotrain.modulediff import locate_divergence
 from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.data import load_prepared

@@ -39,8 +39,8 @@ from reprotrain.commands._rundiff import (
 )
 from reprotrain.hashing import canonical_json, load_safetensors
 from reprotrain.pipeline.errors import DataError
-from reprotrain.trace import load_trace
-from reprotrain.tracediff import compare_traces
+from reprotrain.trace.diff import compare_traces
+from reprotrain.trace.tracefile import load_trace
 
 PARAMS: tuple[str, ...] = ()
 #: Mode name in the report -> the ``deterministic`` value the runs train with.

@@ -1,11 +1,11 @@
 """``reprotrain opdiff A B``: the first op two op recordings disagree on, and why.
 
-A and B are files or folders written by :class:`reprotrain.oprecord.OpRecorder`
-or :func:`reprotrain.oprecord.record_step` (one ``ops-rank<R>.safetensors``
+A and B are files or folders written by :class:`reprotrain.ops.recorder.OpRecorder`
+or :func:`reprotrain.ops.recorder.record_step` (one ``ops-rank<R>.safetensors``
 per rank), from any two processes or machines. Prints the first op whose
 inputs or outputs differ (aten op, phase, step, rank, module, source line)
 and whether the op itself (same inputs, different output) or something
-upstream of it is to blame (:mod:`reprotrain.opalign`).
+upstream of it is to blame (:mod:`reprotrain.ops.align`).
 
 Exit codes: 0 identical, 1 different, 2 a recording could not be read or the
 two cannot be compared (other model, steps or world size).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from reprotrain.opalign import OpRecordError, compare_recordings
+from reprotrain.ops.align import OpRecordError, compare_recordings
 from reprotrain.pipeline.errors import DataError
 
 PARAMS: tuple[str, ...] = ()

@@ -1,8 +1,8 @@
 """``reprotrain ops``: a live catalog of ops with non-deterministic default paths.
 
-Probes every entry of :data:`reprotrain.opcatalog.CATALOG` on one device
+Probes every entry of :data:`reprotrain.ops.catalog.CATALOG` on one device
 (``--device``, default ``cuda`` when available) with
-:func:`reprotrain.nondeterminism.probe_op`: default mode repeated (identical
+:func:`reprotrain.ops.probes.probe_op`: default mode repeated (identical
 bits or not, largest difference), deterministic mode (torch raises, with its
 message and its ``warn_only`` warning; or it runs, identical or not) and the
 time ratio deterministic / default. Prints a markdown table and the elapsed
@@ -23,8 +23,8 @@ import torch
 
 from reprotrain.atomic import atomic_write_text
 from reprotrain.hashing import canonical_json
-from reprotrain.nondeterminism import OpResult, probe_catalog
-from reprotrain.opcatalog import CATALOG
+from reprotrain.ops.catalog import CATALOG
+from reprotrain.ops.probes import OpResult, probe_catalog
 from reprotrain.pipeline.errors import DataError
 
 PARAMS: tuple[str, ...] = ()

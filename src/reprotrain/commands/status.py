@@ -4,7 +4,7 @@
 (it must run first on every repro to check params and data before DVC
 deletes anything). This answers the question a CI gate asks instead: the
 environment record this host would write (the part that decides the bits:
-:func:`reprotrain.environment.bit_deciding`) against the one in the
+:func:`reprotrain.provenance.environment.bit_deciding`) against the one in the
 workspace, each difference classified; then every other stage's changed
 params, data, code or outputs from ``dvc status``. Exit 0 when nothing would
 change, 1 otherwise (what would, one line each).
@@ -18,12 +18,12 @@ import subprocess
 import sys
 from typing import Any
 
-from reprotrain.envdiff import compare_environments
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.run_record import load_environment
 from reprotrain.pipeline.stages.env import record_environment, stage_params
+from reprotrain.provenance.envdiff import compare_environments
 
 PARAMS: tuple[str, ...] = ()
 EXIT_WOULD_CHANGE = 1

@@ -12,7 +12,7 @@ kept for a closer look. The prepared data comes from ``dvc repro prepare``
 When the traces blame a kernel (the loss or the gradients differ first, with
 the same batch, RNG state and parameters), verify trains the two runs once
 more with the op recorder on for that step (``REPROTRAIN_RECORD_OPS``, read
-by the train stage's :class:`~reprotrain.oprecord.OpRecorder`) and adds what
+by the train stage's :class:`~reprotrain.ops.recorder.OpRecorder`) and adds what
 ``reprotrain opdiff`` says: the first differing aten op, its module and source
 line. Each recording writes ``<run>-ops/ops/`` beside the run folders.
 
@@ -67,10 +67,10 @@ from reprotrain.commands._rundiff import (
     run_in_folder,
     with_op_diff,
 )
-from reprotrain.envdiff import compare_environments
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.run_record import load_environment
+from reprotrain.provenance.envdiff import compare_environments
 
 PARAMS: tuple[str, ...] = ()
 EXIT_DIFFERENT = 1
@@ -131,8 +131,8 @@ def _verify(args: argparse.Namespace, workspace: Workspace) -> int:
         results = [_name_the_op(result, args.overrides, workspace) for result in results]
     for result in results:
         if not result.identical and result.a.trace and result.b.trace:
-            from reprotrain.trace import load_trace
-            from reprotrain.tracediff import plot_losses  # torch: only when runs differ
+            from reprotrain.trace.diff import plot_losses  # torch: only when runs differ
+            from reprotrain.trace.tracefile import load_trace
 
             plot = workdir / f"loss-{result.b.label}.png"
             plot_losses(load_trace(result.a.trace), load_trace(result.b.trace), plot)
@@ -147,7 +147,7 @@ def _name_the_op(
     trace = result.report.trace if result.report is not None else None
     if trace is None or trace.record not in KERNEL_RECORDS or trace.first_step is None:
         return result
-    from reprotrain.oprecord import DIR_VARIABLE, WINDOW_VARIABLE  # torch: a kernel is blamed
+    from reprotrain.ops.recorder import DIR_VARIABLE, WINDOW_VARIABLE  # torch: a kernel is blamed
 
     train_args, workdir, environment, _ = workspace
     ops = []

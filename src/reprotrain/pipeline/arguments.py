@@ -3,7 +3,7 @@
 The CLI builds its parser from :data:`COMMANDS` and imports a command's module
 only to run it, so every ``--help`` and every argument error answers at once
 (torch and Lightning take seconds to import). The same parsers read a stage's
-command line back from ``dvc.yaml`` (:func:`stage_arguments`): ``fingerprint``,
+command line back from ``dvc.yaml`` (:func:`stage_arguments`): ``run-id``,
 ``checklist``, ``verify`` and ``compare`` look at the files the pipeline uses,
 and ``dvc.yaml`` stays the one place where paths are written down.
 
@@ -142,7 +142,7 @@ def _evaluate(parser: argparse.ArgumentParser) -> None:
     _paths(parser, {"dvc-lock": "verify --data and --model against it"}, False)
 
 
-def _fingerprint(parser: argparse.ArgumentParser) -> None:
+def _run_id(parser: argparse.ArgumentParser) -> None:
     _dvc_yaml(parser)
     parser.add_argument("--json", action="store_true", help="print the inputs as JSON too")
 
@@ -313,10 +313,10 @@ COMMANDS = {
     "prepare": Command(_stage("prepare"), "materialise and split the dataset", _prepare, True),
     "train": Command(_stage("train"), "train the model deterministically", _train, True),
     "evaluate": Command(_stage("evaluate"), "score the test split", _evaluate),
-    "fingerprint": Command(
-        _command("fingerprint"),
+    "run-id": Command(
+        _command("run_id"),
         "print the run ID the train stage would have now",
-        _fingerprint,
+        _run_id,
         True,
     ),
     "checklist": Command(

@@ -200,7 +200,9 @@ def parse_params(raw: Mapping[str, Any], source: str = "params") -> Params:
             "for more than one device"
         )
     if train.world_size_invariant:
-        from reprotrain.invariant import invariant_layout_problem  # torch: only in this mode
+        from reprotrain.distributed.worldsize import (
+            invariant_layout_problem,  # torch: only in this mode
+        )
 
         world = train.devices * train.num_nodes
         problem = invariant_layout_problem(params.data.batch_size, train.micro_batch_size, world)

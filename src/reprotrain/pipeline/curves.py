@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
-from reprotrain.invariant import step_loss
+from reprotrain.distributed.worldsize import step_loss
 
 
 class MemoryLogger(Logger):

@@ -34,9 +34,9 @@ Validation runs over the whole split on every rank, so its metrics are exact
 and equal on every rank, with no all-reduce.
 
 With ``micro_batch_size`` (``train.world_size_invariant``) the training loader
-takes :class:`~reprotrain.invariant.MicroBatchSampler`'s micro-batches of one
+takes :class:`~reprotrain.distributed.worldsize.MicroBatchSampler`'s micro-batches of one
 global order instead, and each image's shift is drawn from its own key
-(:func:`~reprotrain.invariant.sample_integers`), not from a worker's generator, so
+(:func:`~reprotrain.distributed.worldsize.sample_integers`), not from a worker's generator, so
 neither the rank nor the worker decides a draw; the last partial batch of an
 epoch is dropped.
 """
@@ -55,8 +55,8 @@ from safetensors import SafetensorError
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from reprotrain.atomic import atomic_write_safetensors
+from reprotrain.distributed.worldsize import MicroBatchSampler, sample_integers
 from reprotrain.hashing import load_safetensors, safetensors_metadata
-from reprotrain.invariant import MicroBatchSampler, sample_integers
 from reprotrain.pipeline.errors import DataError
 
 SPLITS = ("train", "val", "test")

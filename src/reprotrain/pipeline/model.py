@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from reprotrain.invariant import step_loss
+from reprotrain.distributed.worldsize import step_loss
 from reprotrain.pipeline.config import ModelConfig, TrainConfig
 
 

@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from reprotrain.determinism import DeterminismError
-from reprotrain.environment import cpu_facts
 from reprotrain.pipeline.config import ModelConfig, Params
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.rawdata import load_raw, split_sizes
+from reprotrain.provenance.environment import cpu_facts
 
 GIB = 2**30
 #: Bytes per parameter while training with Adam: weights, gradients, two moments (float32).

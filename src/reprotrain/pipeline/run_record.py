@@ -24,11 +24,17 @@ from typing import Any
 import reprotrain
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import DeterminismSettings
-from reprotrain.environment import HOST_FILE, HOST_KEY, environment_fingerprint, torch_runtime
 from reprotrain.hashing import canonical_json, sha256_file
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.errors import DataError
-from reprotrain.provenance import code_hash, run_id, source_files, verify_dvc_checksum
+from reprotrain.provenance.dvcchecksum import verify_dvc_checksum
+from reprotrain.provenance.environment import (
+    HOST_FILE,
+    HOST_KEY,
+    environment_sha256,
+    torch_runtime,
+)
+from reprotrain.provenance.identity import code_hash, run_id, source_files
 
 
 def load_environment(path: Path) -> dict[str, Any]:
@@ -83,7 +89,7 @@ def run_inputs(
         "data_md5": md5 if md5 is not None else sha256_file(data),
         "lock_sha256": (environment.get("lock") or {}).get("sha256"),
         "code_sha256": code_hash(source_files(stage_module), Path(reprotrain.__file__).parent),
-        "environment_sha256": environment_fingerprint(environment),
+        "environment_sha256": environment_sha256(environment),
         "determinism": settings.as_dict(),
         "torch_runtime": torch_runtime(),
         "distributed": dict(distributed),

@@ -2,7 +2,7 @@
 
 ``dvc.yaml`` marks this stage ``always_changed``, so it runs on every
 ``dvc repro``; its output is a dependency of ``train``. The record's bytes
-change exactly when the environment does (see :mod:`reprotrain.environment`),
+change exactly when the environment does (see :mod:`reprotrain.provenance.environment`),
 so DVC retrains after a GPU, driver, torch or lock change and keeps its cache
 otherwise. ``--host-out`` writes the informational ``host`` section beside it
 (``reports/host.json``: CPU model, kernel, Python patch level, glibc...).
@@ -30,7 +30,6 @@ from typing import Any
 
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS
-from reprotrain.environment import HOST_KEY, bit_deciding, capture_environment, git_state
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.arguments import (
     DEFAULT_LOCK,
@@ -42,6 +41,7 @@ from reprotrain.pipeline.arguments import (
 from reprotrain.pipeline.config import Params, load_params
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.preflight import PlannedOutputs, preflight
+from reprotrain.provenance.environment import HOST_KEY, bit_deciding, capture_environment, git_state
 
 #: The params.yaml keys this stage reads: none.
 PARAMS: tuple[str, ...] = ()
@@ -126,8 +126,8 @@ def planned_outputs(dvc_yaml: Path = DVC_YAML) -> PlannedOutputs | None:
 
 def explain_difference(a: Path, b: Path) -> str:
     """Which fields of two environment records differ, and which void bitwise equality."""
-    from reprotrain.envdiff import compare_environments
     from reprotrain.pipeline.run_record import load_environment_with_host
+    from reprotrain.provenance.envdiff import compare_environments
 
     diffs = compare_environments(load_environment_with_host(a), load_environment_with_host(b))
     if not diffs:

@@ -26,7 +26,7 @@ from reprotrain.pipeline.config import Params, parse_params
 from reprotrain.pipeline.data import load_prepared
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.model import build_network
-from reprotrain.provenance import verify_dvc_checksum
+from reprotrain.provenance.dvcchecksum import verify_dvc_checksum
 
 #: The params.yaml keys this stage reads: none, the model file carries them.
 PARAMS: tuple[str, ...] = ()

@@ -14,7 +14,7 @@ gives identical bytes, resumed or not.
 
 With ``train.strategy: ddp`` Lightning starts one process per device (on
 CPU, ``devices`` processes with gloo), each running this same stage. Every
-rank computes the run ID, and :class:`~reprotrain.distributed.RankAgreement`
+rank computes the run ID, and :class:`~reprotrain.distributed.ddp.RankAgreement`
 stops them all if any rank disagrees on it or on the resume point; each rank
 trains on its seeded share of the data; only rank 0 writes, after gathering
 every rank's trace rows (the checkpoints carry every rank's random state).
@@ -22,7 +22,7 @@ The distributed layout (world size, backend, DDP options, ``NCCL_*``
 settings) is part of the run inputs, so it is part of the run ID.
 
 With ``train.world_size_invariant`` the stage trains through
-:class:`~reprotrain.invariant.WorldSizeInvariantStrategy` (also in one
+:class:`~reprotrain.distributed.worldsize.WorldSizeInvariantStrategy` (also in one
 process), in micro-batches of ``train.micro_batch_size``: the same bits at
 world size 1, 2, 4..., so the layout in the run ID is the mode, not the
 world size, and ``dvc.yaml`` lists neither ``train.devices`` nor
@@ -56,7 +56,7 @@ from reprotrain.determinism import (
     configure_determinism,
     explain_nondeterministic_error,
 )
-from reprotrain.distributed import (
+from reprotrain.distributed.ddp import (
     BACKENDS,
     RankAgreement,
     ddp_strategy,
@@ -64,9 +64,9 @@ from reprotrain.distributed import (
     set_threads_per_rank,
     this_rank,
 )
+from reprotrain.distributed.worldsize import WorldSizeInvariantStrategy
 from reprotrain.hashing import canonical_json, safetensors_metadata
-from reprotrain.invariant import WorldSizeInvariantStrategy
-from reprotrain.oprecord import OpRecorder
+from reprotrain.ops.recorder import OpRecorder
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.curves import CurveCheckpoint, MemoryLogger
 from reprotrain.pipeline.data import PreparedData, PreparedDataModule, load_prepared
@@ -74,7 +74,7 @@ from reprotrain.pipeline.errors import Interrupted
 from reprotrain.pipeline.model import Classifier
 from reprotrain.pipeline.preflight import check_accelerator
 from reprotrain.pipeline.run_record import load_environment, run_inputs, write_run_record
-from reprotrain.provenance import run_id
+from reprotrain.provenance.identity import run_id
 from reprotrain.resume import (
     CheckpointError,
     InterruptCheckpoint,
@@ -83,7 +83,7 @@ from reprotrain.resume import (
     checkpoint_run_id,
     latest_checkpoint,
 )
-from reprotrain.trace import TraceCallback
+from reprotrain.trace.callback import TraceCallback
 
 #: The params.yaml keys this stage reads; dvc.yaml lists exactly these. The process
 #: layout (train.devices, train.num_nodes, train.strategy) reaches the cache key through

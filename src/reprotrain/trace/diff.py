@@ -1,7 +1,7 @@
 """Where two traces part: the first diverging step and record, and the likely cause.
 
 ``compare_traces`` finds the first training step at which two traces (from
-:class:`reprotrain.trace.TraceCallback`) differ and which record differed
+:class:`reprotrain.trace.callback.TraceCallback`) differ and which record differed
 first there, checked in the order the step computes them: batch, RNG state,
 loss, gradients, parameters. From that it names a likely cause:
 
@@ -25,8 +25,8 @@ difference on one rank points at that rank; gradients are traced after the
 all-reduce, so a backward difference shows on every rank at once and the
 lowest is named). Traces of different world sizes are not compared row by row.
 ``plot_losses`` draws both runs' losses and their difference. Weights are
-compared by :mod:`reprotrain.weightdiff`, environments and run inputs by
-:mod:`reprotrain.envdiff`, and :mod:`reprotrain.diffreport` puts them together.
+compared by :mod:`reprotrain.compare.weights`, environments and run inputs by
+:mod:`reprotrain.provenance.envdiff`, and :mod:`reprotrain.compare.report` puts them together.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from reprotrain.atomic import atomic_path
-from reprotrain.tracefile import FINAL_PARTS, RECORDS, Trace
+from reprotrain.trace.tracefile import FINAL_PARTS, RECORDS, Trace
 
 __all__ = ["DIAGNOSES", "TraceDiff", "compare_traces", "plot_losses", "with_op_diagnosis"]
 
@@ -263,7 +263,7 @@ def _compare_rank(a: Trace, b: Trace) -> TraceDiff:
 def with_op_diagnosis(diff: TraceDiff, op: Mapping[str, Any]) -> TraceDiff:
     """``diff`` whose diagnosis is the op recording's, where that recording found the cause.
 
-    ``op`` is :meth:`reprotrain.opalign.OpDiff.to_dict` for the diverging step.
+    ``op`` is :meth:`reprotrain.ops.align.OpDiff.to_dict` for the diverging step.
     The trace can only guess from fingerprints ("a kernel", when the loss
     differs first with the same batch); the op recording sees each op's
     inputs, so where it found a differing input (a Python value, the batch,

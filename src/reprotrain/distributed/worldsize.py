@@ -6,7 +6,7 @@ adds gradients all follow the number of processes. In this mode the world
 size decides none of them, so 1, 2, 4 (any power of two that divides the
 number of micro-batches) processes train to identical weights::
 
-    from reprotrain.invariant import MicroBatchSampler, WorldSizeInvariantStrategy
+    from reprotrain.distributed.worldsize import MicroBatchSampler, WorldSizeInvariantStrategy
 
     strategy = WorldSizeInvariantStrategy(micro_batches=4, seed=seed, accelerator="cpu")
     trainer = L.Trainer(strategy=strategy, devices=devices, num_nodes=nodes,
@@ -63,7 +63,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch import nn
 from torch.utils.data import Sampler
 
-from reprotrain.distributed import BACKENDS, DDP_OPTIONS
+from reprotrain.distributed.ddp import BACKENDS, DDP_OPTIONS
 
 __all__ = [
     "MicroBatchSampler",

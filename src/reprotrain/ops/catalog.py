@@ -1,6 +1,6 @@
 """A catalog of torch operations with non-deterministic default paths, to probe.
 
-Each :class:`~reprotrain.nondeterminism.OpCase` builds seeded inputs on a
+Each :class:`~reprotrain.ops.probes.OpCase` builds seeded inputs on a
 device and returns a call that runs the op (for backward entries: the
 gradient, which is where the atomic adds are). The list follows PyTorch's
 ``use_deterministic_algorithms`` documentation and the ops users trip over:
@@ -9,7 +9,7 @@ refuses outright under determinism. Sizes are modest so the whole catalog
 probes in seconds on a CPU; collisions (many values into 512 slots) are
 dense so atomics race where a device uses them.
 
-Nothing here says what an op *does*: :func:`reprotrain.nondeterminism.probe_op`
+Nothing here says what an op *does*: :func:`reprotrain.ops.probes.probe_op`
 measures that on the device at hand.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from reprotrain.nondeterminism import Builder, OpCase, Thunk
+from reprotrain.ops.probes import Builder, OpCase, Thunk
 
 
 def _grad_of(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Thunk:

@@ -1,9 +1,9 @@
 """Everything known about two runs in one report: trace, weights, environment, inputs.
 
-``ComparisonReport`` holds the first diverging step (:mod:`reprotrain.tracediff`),
-the per-tensor weight differences (:mod:`reprotrain.weightdiff`), the
+``ComparisonReport`` holds the first diverging step (:mod:`reprotrain.trace.diff`),
+the per-tensor weight differences (:mod:`reprotrain.compare.weights`), the
 environment fields that differ and whether one voids the bitwise guarantee,
-and the run inputs that differ (:mod:`reprotrain.envdiff`). ``to_text()`` is for
+and the run inputs that differ (:mod:`reprotrain.provenance.envdiff`). ``to_text()`` is for
 people; ``to_dict()`` is JSON-ready (inf and NaN as strings).
 """
 
@@ -13,9 +13,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from reprotrain.envdiff import EnvDiff, InputDiff
-from reprotrain.tracediff import TraceDiff
-from reprotrain.weightdiff import TensorDiff, weights_table
+from reprotrain.compare.weights import TensorDiff, weights_table
+from reprotrain.provenance.envdiff import EnvDiff, InputDiff
+from reprotrain.trace.diff import TraceDiff
 
 __all__ = ["ComparisonReport"]
 

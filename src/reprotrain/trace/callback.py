@@ -14,7 +14,7 @@ CPU thread a 10M-parameter MLP's gradients and weights (80 MB) take about
 (``benchmarks/trace_overhead.py``). A divergence between weight rows still
 shows at once in the next step's loss.
 
-Fingerprints (:mod:`reprotrain.devicehash`) are exact integer hashes of the
+Fingerprints (:mod:`reprotrain.fingerprint`) are exact integer hashes of the
 bits, computed on the tensors' device, kept there until every ``flush_every``
 rows. The same run gives the same trace file, byte for byte, whatever
 ``flush_every`` and wherever the rows were built.
@@ -22,17 +22,17 @@ rows. The same run gives the same trace file, byte for byte, whatever
 On CPU, where a small model's step is short and each library call in a hook
 costs several microseconds (the step has pushed the hook's code and data out
 of the caches), a row is Python ints and a step does only what cannot wait:
-it captures the RNG states (:mod:`reprotrain.rngstate`), copies a batch of
+it captures the RNG states (:mod:`reprotrain.trace.rngstate`), copies a batch of
 up to 64 KiB and reads the loss. Every 64 rows (and at a flush) the captured
 states are hashed and the batches fingerprinted together, where that code
 runs hot. Cost (``benchmarks/trace_overhead.py``, one torch thread on a
 shared 2-core machine): the pipeline's 38k-parameter model pays 0.15-0.16 ms
 per step at default detail, 1.6% of its 9.8 ms step (0.7-0.8 ms, 7%, before
 this scheme; 0.19-0.27 ms while the RNG states were read with the libraries'
-own getters, see :mod:`reprotrain.rngstate`).
+own getters, see :mod:`reprotrain.trace.rngstate`).
 
 At the end of fit ``final_state`` fingerprints every parameter, buffer and
-the optimizer state (:mod:`reprotrain.finalstate`): a divergence after the
+the optimizer state (:mod:`reprotrain.trace.finalstate`): a divergence after the
 last weights row, or in a buffer, still shows. Limits: rows trace only
 trainable parameters; no non-tensor batch items or non-global generators
 (a DataLoader's own generator shows in the batch).
@@ -43,7 +43,7 @@ on one rank shows on every rank at once); at the end of fit (and in every
 checkpoint) the rows of all ranks are gathered and rank 0 writes one file with
 a ``rank`` column. A trace of a sharded model covers each rank's shard.
 
-Under :class:`~reprotrain.invariant.WorldSizeInvariantStrategy` a row is a
+Under :class:`~reprotrain.distributed.worldsize.WorldSizeInvariantStrategy` a row is a
 micro-batch: its ``batch_idx`` is the micro-batch's place in the epoch over
 all ranks, its loss the micro-batch's own, its RNG state the one seeded for
 it; weights are traced on the last micro-batch of every ``weights_every``-th
@@ -64,19 +64,18 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.optim import Optimizer
 
 from reprotrain.atomic import atomic_write_safetensors
-from reprotrain.devicehash import (
+from reprotrain.distributed.ddp import gather_from_ranks, own_entry
+from reprotrain.distributed.worldsize import WorldSizeInvariantStrategy
+from reprotrain.fingerprint import (
     bytes_fingerprints,
     fingerprints,
     host_bytes,
     host_fingerprints,
 )
-from reprotrain.distributed import gather_from_ranks, own_entry
-from reprotrain.finalstate import FINAL_PARTS, final_fingerprints, final_state
 from reprotrain.hashing import safetensors_metadata
-from reprotrain.invariant import WorldSizeInvariantStrategy
-from reprotrain.rngstate import RngDigests, capture_rng, rng_states
-from reprotrain.tracefile import FORMAT, RECORDS, VERSION, Detail, Trace, load_trace
-from reprotrain.tracerows import (
+from reprotrain.trace.finalstate import FINAL_PARTS, final_fingerprints, final_state
+from reprotrain.trace.rngstate import RngDigests, capture_rng, rng_states
+from reprotrain.trace.rows import (
     KeptBatch,
     Mixer,
     batch_leaves,
@@ -85,8 +84,9 @@ from reprotrain.tracerows import (
     float64_value,
     tensor_key,
 )
+from reprotrain.trace.tracefile import FORMAT, RECORDS, VERSION, Detail
 
-__all__ = ["DEFAULT_WEIGHTS_EVERY", "Trace", "TraceCallback", "load_trace", "rng_states"]
+__all__ = ["DEFAULT_WEIGHTS_EVERY", "TraceCallback"]
 
 #: ``weights_every`` for ``detail="default"``: a 10M MLP's CPU step pays about 4% for weights.
 DEFAULT_WEIGHTS_EVERY = 32

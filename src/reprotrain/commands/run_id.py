@@ -1,4 +1,4 @@
-"""``reprotrain fingerprint``: the run ID the ``train`` stage would get right now.
+"""``reprotrain run-id``: the run ID the ``train`` stage would get right now.
 
 It configures determinism exactly as ``train`` does, captures the environment
 afresh (as the ``env`` stage would) and reads the data and lock paths from
@@ -16,7 +16,7 @@ from reprotrain.pipeline.arguments import stage_arguments
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.stages import train
 from reprotrain.pipeline.stages.env import record_environment
-from reprotrain.provenance import run_id
+from reprotrain.provenance.identity import run_id
 
 PARAMS = train.PARAMS
 

@@ -4,8 +4,8 @@ Files with the same bytes are ``identical`` without being read. Otherwise the
 file is read as its kind:
 
 * ``safetensors`` (found by its header, whatever the name): tensor by tensor
-  (:func:`reprotrain.weightdiff.compare_weights`), then the metadata by key;
-  a trace (:class:`~reprotrain.trace.TraceCallback`) holds fingerprints, so
+  (:func:`reprotrain.compare.weights.compare_weights`), then the metadata by key;
+  a trace (:class:`~reprotrain.trace.callback.TraceCallback`) holds fingerprints, so
   its rows say "differs" with no magnitude;
 * ``checkpoint`` (``.ckpt``, ``.pt``, ``.pth``, or a ``torch.save`` zip):
   ``torch.load(weights_only=True)`` (no code from the file runs), every tensor
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from reprotrain.hashing import METADATA_KEY
 
 if TYPE_CHECKING:  # torch loads only when two files differ (an identical verify stays fast)
-    from reprotrain.weightdiff import TensorDiff
+    from reprotrain.compare.weights import TensorDiff
 
 __all__ = ["FileVerdict", "compare_files", "file_kind", "one_sided"]
 
@@ -146,7 +146,7 @@ def compare_files(name: str, a: Path, b: Path, folders: tuple[Path, Path]) -> Fi
         except _read_errors(kind) as err:
             return FileVerdict(name, kind, "unreadable", detail=f"{path}: {_reason(err, kind)}")
         loaded.append((tensors, _placeheld(fields, folder), hashes))
-    from reprotrain.weightdiff import compare_weights
+    from reprotrain.compare.weights import compare_weights
 
     (ta, fa, hashes), (tb, fb, _) = loaded
     diffs = [d for d in compare_weights(ta, tb) if not d.equal]
@@ -208,7 +208,7 @@ def _same_bytes(a: Path, b: Path) -> bool:
 def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
     from safetensors import safe_open
 
-    from reprotrain.tracefile import FORMAT
+    from reprotrain.trace.tracefile import FORMAT
 
     with safe_open(str(path), framework="pt") as handle:
         metadata = dict(handle.metadata() or {})

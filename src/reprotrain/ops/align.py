@@ -1,6 +1,6 @@
 """Align two op recordings from separate processes or machines and name the first culprit.
 
-Two recordings (:mod:`reprotrain.oprecord`) of the same steps are walked op by
+Two recordings (:mod:`reprotrain.ops.recorder`) of the same steps are walked op by
 op, rank by rank. The first op whose inputs or outputs differ is classified:
 
 - ``kernel``: every input equal, an output differs: the op itself is not
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from reprotrain.oprecord import (
+from reprotrain.ops.recorder import (
     ALLOCATING,
     FORMAT,
     LABELLED,

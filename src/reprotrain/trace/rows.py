@@ -1,4 +1,4 @@
-"""Building blocks of a trace row (:mod:`reprotrain.trace`): keys, mixing, batch leaves, loss bits.
+"""Building blocks of a trace row (:mod:`reprotrain.trace.callback`): keys, mixing, leaves, bits.
 
 A row's batch, grads and params columns each combine per-tensor fingerprints
 with a key per tensor (its name, dtype and shape) into one int64
@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from reprotrain.rngstate import hash_bytes
+from reprotrain.trace.rngstate import hash_bytes
 
 __all__ = [
     "KeptBatch",

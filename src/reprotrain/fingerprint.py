@@ -15,7 +15,7 @@ count); a tensor on another device there, in float32 (exact: every partial
 sum is an integer below 2**24). :func:`host_bytes` copies a CPU tensor's bits
 and :func:`bytes_fingerprints` fingerprints many such copies at once: a
 trace keeps a small batch's bytes per step and fingerprints them per 64 steps
-(:mod:`reprotrain.trace`). For files on disk use sha256 (:mod:`reprotrain.hashing`).
+(:mod:`reprotrain.trace.callback`). For files on disk use sha256 (:mod:`reprotrain.hashing`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Which torch operations repeat bit for bit on this device, and what determinism does to them.
 
 :func:`probe_op` measures one operation (an :class:`OpCase`; the catalog of
-ops with non-deterministic default paths is :data:`reprotrain.opcatalog.CATALOG`)
+ops with non-deterministic default paths is :data:`reprotrain.ops.catalog.CATALOG`)
 on the current device, with nothing taken from a table:
 
 * default mode (``use_deterministic_algorithms(False)``): ``repeats`` calls on

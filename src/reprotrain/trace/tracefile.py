@@ -5,8 +5,7 @@ identical bytes): a row per training batch and rank with ``step``, ``epoch``,
 ``batch_idx``, ``weights_traced``, the int64 fingerprint of each record in
 :data:`RECORDS`, the loss's exact bits, and with ``detail="full"`` one
 fingerprint per parameter tensor and per RNG source. :func:`load_trace` reads
-it into a read-only :class:`Trace`; files written before DDP (no ``rank``
-column) still load. This module imports no Lightning, so tools that only read
+it into a read-only :class:`Trace`. This module imports no Lightning, so tools that only read
 traces (``reprotrain compare``) start fast.
 """
 
@@ -99,7 +98,6 @@ def load_trace(path: str | Path) -> Trace:
         values.flags.writeable = False
     initial = arrays.pop("initial_params")
     final = arrays.pop("final_state", np.zeros((0, 3), np.int64))
-    arrays.setdefault("rank", np.zeros(len(arrays["step"]), np.int64))  # written before DDP
     return Trace(
         detail=meta["detail"],
         weights_every=int(meta["weights_every"]),

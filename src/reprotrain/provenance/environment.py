@@ -176,7 +176,7 @@ def collective_variables(environ: Mapping[str, str] = os.environ) -> dict[str, s
     }
 
 
-def environment_fingerprint(record: Mapping[str, Any]) -> str:
+def environment_sha256(record: Mapping[str, Any]) -> str:
     """sha256 of the record's canonical JSON."""
     return hashlib.sha256(canonical_json(dict(record)).encode()).hexdigest()
 

@@ -16,7 +16,7 @@ payloads and -0.0 count), and the caller's RNG states are restored afterwards.
 
 Limits: one step only, so non-determinism that starts later, lives in the
 optimizer, or depends on state the step changes is out of reach (a trace from
-:class:`reprotrain.trace.TraceCallback` finds the step first). A gradient that
+:class:`reprotrain.trace.callback.TraceCallback` finds the step first). A gradient that
 already differs where it reaches a module (``grad_output``) points at code
 between modules: functional operations in a parent's ``forward`` or the loss.
 Modules' ``inplace`` flags are switched off during the check, because full
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from reprotrain.devicehash import tensor_bytes
+from reprotrain.fingerprint import tensor_bytes
 
 __all__ = ["LocateResult", "locate_divergence"]
 

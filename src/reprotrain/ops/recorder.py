@@ -6,10 +6,10 @@ optimizer step is recorded: its name, the module that ran it, the user's
 source line, and an integer fingerprint of every output and of every input
 that no recorded op produced: CRC-32 of the bytes for a CPU tensor (3.7 GB/s
 on one core here, the memory read being most of it), and on another device
-:mod:`reprotrain.devicehash` computed there and fetched once per step. Both
+:mod:`reprotrain.fingerprint` computed there and fetched once per step. Both
 runs of a comparison fingerprint a tensor on the same kind of device, so the
 two kinds never meet; the file names them (``hash``). An input that a recorded op
-produced keeps that op's index, so :mod:`reprotrain.opalign` can tell "same
+produced keeps that op's index, so :mod:`reprotrain.ops.align` can tell "same
 inputs, different output" (the kernel) from "the inputs already differed"
 (and where they came from: a parameter, the batch, optimizer state, the RNG
 state of a random op, a Python value, or a tensor made outside torch ops).
@@ -63,7 +63,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from reprotrain.atomic import atomic_write_bytes
-from reprotrain.devicehash import fingerprints, tensor_bytes
+from reprotrain.fingerprint import fingerprints, tensor_bytes
 from reprotrain.hashing import safetensors_metadata
 
 __all__ = ["OpRecorder", "Recording", "parse_window", "record_step"]
@@ -79,7 +79,7 @@ PHASES = ("forward", "backward", "optimizer")
 OUTSIDE, PYTHON_VALUE, RNG_STATE, LABELLED = -1, -2, -3, -4
 #: Ops whose output holds whatever the memory held; opdiff blames who reads it unwritten.
 ALLOCATING = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
-_NODE_KEY = "reprotrain.oprecord"
+_NODE_KEY = "reprotrain.ops.recorder"
 _LIBRARY_DIR = Path(__file__).resolve().parent
 #: Files whose ops are bookkeeping, not the step's computation: the step trace's fingerprints.
 #: Left out, so a recording does not depend on whether (or how often) a trace ran.

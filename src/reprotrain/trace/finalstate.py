@@ -5,8 +5,8 @@ parts, each a flat name -> tensor map: ``parameters`` (all of them, frozen
 ones too), ``buffers`` (BatchNorm's running statistics and counters) and
 ``optimizer`` (``<optimizer>/<param index>/<key>``, e.g. ``0/3/exp_avg``;
 Adam's ``step`` included). :func:`final_fingerprints` reduces each part to
-one int64 (:mod:`reprotrain.devicehash`, keyed by name, dtype and shape), what
-:class:`~reprotrain.trace.TraceCallback` writes at the end of fit so a
+one int64 (:mod:`reprotrain.fingerprint`, keyed by name, dtype and shape), what
+:class:`~reprotrain.trace.callback.TraceCallback` writes at the end of fit so a
 divergence after its last sampled step, or in a buffer or optimizer state,
 still shows.
 
@@ -16,7 +16,7 @@ optimizers' hyperparameters in its metadata, one key): the same state gives
 the same bytes in any folder and process, unlike a Lightning ``.ckpt``,
 which records its own paths. For ``Trainer(callbacks=[...])`` or a
 Hydra / LightningCLI callbacks entry (``class_path:
-reprotrain.finalstate.FinalStateCallback``). Under DDP rank 0 writes; a
+reprotrain.trace.finalstate.FinalStateCallback``). Under DDP rank 0 writes; a
 sharded model (FSDP) is written as rank 0's shard, so it is not supported.
 """
 
@@ -31,10 +31,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.optim import Optimizer
 
 from reprotrain.atomic import atomic_write_safetensors
-from reprotrain.devicehash import fingerprints, host_fingerprints
+from reprotrain.fingerprint import fingerprints, host_fingerprints
 from reprotrain.hashing import safetensors_metadata
-from reprotrain.tracefile import FINAL_PARTS
-from reprotrain.tracerows import Mixer, leaves, tensor_key
+from reprotrain.trace.rows import Mixer, leaves, tensor_key
+from reprotrain.trace.tracefile import FINAL_PARTS
 
 __all__ = ["FINAL_PARTS", "FinalStateCallback", "final_fingerprints", "final_state"]
 

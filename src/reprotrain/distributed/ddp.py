@@ -2,7 +2,7 @@
 
 Use it in any Lightning project::
 
-    from reprotrain.distributed import RankAgreement, ddp_strategy, set_threads_per_rank
+    from reprotrain.distributed.ddp import RankAgreement, ddp_strategy, set_threads_per_rank
 
     set_threads_per_rank(devices)                 # before the run ID, before fit
     trainer = L.Trainer(strategy=ddp_strategy("gpu"), devices=devices, num_nodes=nodes,
@@ -31,7 +31,7 @@ or GPU): every rank gathers every rank's facts after the process group is up.
 
 :func:`gather_from_ranks` is how per-rank state reaches rank 0: the random
 state in checkpoints (``reprotrain.resume``) and the per-rank trace
-(``reprotrain.trace``); :func:`own_entry` picks each rank's own back out. Both
+(``reprotrain.trace.callback``); :func:`own_entry` picks each rank's own back out. Both
 work unchanged in a single process.
 """
 
@@ -48,7 +48,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
 from reprotrain.determinism import DeterminismError
-from reprotrain.environment import collective_variables
+from reprotrain.provenance.environment import collective_variables
 
 #: DDP options pinned here, not left to defaults that may change between versions.
 DDP_OPTIONS: dict[str, Any] = {
