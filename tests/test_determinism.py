@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,3 +166,35 @@ def test_wrong_cublas_workspace_config_fails_closed(monkeypatch: pytest.MonkeyPa
 def test_unknown_mode_is_refused(mode: object) -> None:
     with pytest.raises(ValueError, match="mode must be"):
         configure_determinism(seed=1, mode=mode)  # type: ignore[arg-type]
+
+
+def test_one_rule_decides_what_each_mode_does_with_a_problem() -> None:
+    with pytest.raises(determinism.DeterminismError, match="the lock drifted"):
+        determinism.refuse_or_warn(True, "the lock drifted")
+    with pytest.warns(determinism.DeterminismWarning, match="the lock drifted"):
+        determinism.refuse_or_warn("warn", "the lock drifted")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        determinism.refuse_or_warn(False, "the lock drifted")  # nothing promised, nothing said
+
+
+#: ``if <mode test>:`` then a raise, a warning or a printed warning: a second copy of the rule.
+_RULE_COPY = re.compile(r"if .*(is True|== \"warn\").*:\n\s+(raise|warnings\.warn|print)\b")
+
+
+def _rule_copies(package: Path) -> list[str]:
+    return sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.name != "determinism.py" and _RULE_COPY.search(path.read_text())
+    )
+
+
+def test_no_other_module_decides_raise_or_warn_by_mode(tmp_path: Path) -> None:
+    package = Path(determinism.__file__).parent
+    assert _rule_copies(package) == []
+    planted = tmp_path / "reprotrain"
+    shutil.copytree(package, planted, ignore=shutil.ignore_patterns("__pycache__"))
+    with (planted / "resume.py").open("a") as f:
+        f.write("\n\ndef _planted(mode):\n    if mode is True:\n        raise ValueError\n")
+    assert _rule_copies(planted) == ["resume.py"]

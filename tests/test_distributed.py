@@ -195,7 +195,7 @@ def test_ranks_that_disagree_all_stop_with_one_message(monkeypatch) -> None:
     with pytest.raises(DeterminismError, match=r"rank 1 has run_id='bbb' \(rank 0: 'aaa'\)"):
         RankAgreement(facts[0]).setup(None, None, "fit")  # type: ignore[arg-type]
     with pytest.warns(UserWarning, match="ranks disagree"):
-        RankAgreement(facts[0], strict=False).setup(None, None, "fit")  # type: ignore[arg-type]
+        RankAgreement(facts[0], mode="warn").setup(None, None, "fit")  # type: ignore[arg-type]
     agreeing = [facts[0], dict(facts[0])]
     monkeypatch.setattr("reprotrain.distributed.ddp.gather_from_ranks", lambda _: agreeing)
     RankAgreement(facts[0]).setup(None, None, "fit")  # type: ignore[arg-type]

@@ -18,9 +18,7 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def test_equal_tensors_give_equal_fingerprints() -> None:
-    assert sha256_state_dict(_state()) == sha256_state_dict(
-        dict(reversed(_state().items()))
-    )
+    assert sha256_state_dict(_state()) == sha256_state_dict(dict(reversed(_state().items())))
 
 
 def test_one_ulp_changes_the_sha256() -> None:

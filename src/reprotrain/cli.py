@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = (resume.CheckpointError,) if resume is not None else ()
         return (ConfigError, DataError, ChecksumError, *extra)
 
+    _warnings_as_one_line()
     try:
         if started and args.command in REEXEC:
             _restart_for_determinism(args)
@@ -162,7 +163,7 @@ def _restart_for_determinism(args: argparse.Namespace) -> None:
     exported variable that contradicts the profile is refused under
     ``deterministic: true`` and overridden with a warning otherwise.
     """
-    from reprotrain.determinism import DeterminismError, reexec_with_fixed_hash_seed
+    from reprotrain.determinism import reexec_with_fixed_hash_seed, refuse_or_warn
     from reprotrain.hashing import read_safetensors_metadata
     from reprotrain.pipeline.config import load_params, parse_params
 
@@ -186,10 +187,25 @@ def _restart_for_determinism(args: argparse.Namespace) -> None:
             f"{'; '.join(clashes)}: exported against cpu.profile: {profile.name}, cpu.threads: "
             f"{profile.threads} ({path}); unset it, or change cpu.profile / cpu.threads"
         )
-        if params.deterministic is True:
-            raise DeterminismError(message)
-        print(f"reprotrain: warning: {message} (overriding them)", file=sys.stderr)
+        refuse_or_warn(params.deterministic, f"{message} (overriding them)")
     reexec_with_fixed_hash_seed(profile.variables())
+
+
+def _warnings_as_one_line() -> None:
+    """Print a DeterminismWarning as ``reprotrain: warning: ...`` (no file, line or source)."""
+    import warnings
+
+    from reprotrain.determinism import DeterminismWarning
+
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if issubclass(category, DeterminismWarning):
+            print(f"reprotrain: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
 
 
 #: errno -> what to do, for the storage errors that end a command with one line.

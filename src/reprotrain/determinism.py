@@ -30,6 +30,10 @@ mode, and warns in ``"warn"`` mode:
 
 ``mode=False`` is the fast mode: nothing is checked, deterministic algorithms
 are off and cuDNN autotuning (``benchmark``) is on. Seeding still happens.
+
+Every check in the package that can void the guarantee (here, the lock, the
+CPU profile, exported variables) ends in :func:`refuse_or_warn`: the one rule
+for what each mode does with a problem.
 """
 
 from __future__ import annotations
@@ -56,6 +60,23 @@ _HASH_PROBE = "reprotrain-hash-probe"
 
 class DeterminismError(RuntimeError):
     """The process cannot honour the determinism guarantee it was asked for."""
+
+
+class DeterminismWarning(UserWarning):
+    """A problem that voids the guarantee in ``"warn"`` mode: the run goes on; reruns may differ."""
+
+
+def refuse_or_warn(mode: Mode, problem: str, *, stacklevel: int = 2) -> None:
+    """What a mode does with a problem that voids the guarantee.
+
+    ``True`` (a guarantee was asked for): raise :class:`DeterminismError`.
+    ``"warn"``: a :class:`DeterminismWarning` and go on. ``False``: nothing;
+    no guarantee was asked for, so there is none to void.
+    """
+    if mode is True:
+        raise DeterminismError(problem)
+    if mode == "warn":
+        warnings.warn(problem, DeterminismWarning, stacklevel=stacklevel + 1)
 
 
 @dataclass(frozen=True)
@@ -172,7 +193,6 @@ def configure_determinism(
     """
     if not (mode is True or mode is False or mode == "warn"):
         raise ValueError(f"mode must be True, False or 'warn', got {mode!r}")
-    strict = mode is True
     enabled = mode is not False
     hash_ok = hash_seed_fixed_at_start()
     cuda_up = _cuda_initialized()
@@ -180,10 +200,8 @@ def configure_determinism(
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
         problems = _check_preconditions(hash_ok, cuda_up) + problems
-        if problems and strict:
-            raise DeterminismError("cannot guarantee determinism: " + "; ".join(problems))
-        for problem in problems:
-            warnings.warn(f"determinism not guaranteed: {problem}", stacklevel=2)
+        if problems:
+            refuse_or_warn(mode, "cannot guarantee determinism: " + "; ".join(problems))
 
     import torch
     from lightning.fabric.utilities.seed import seed_everything

@@ -38,7 +38,6 @@ work unchanged in a single process.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,7 +46,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
-from reprotrain.determinism import DeterminismError
+from reprotrain.determinism import Mode, refuse_or_warn
 from reprotrain.provenance.environment import collective_variables
 
 #: DDP options pinned here, not left to defaults that may change between versions.
@@ -142,13 +141,13 @@ class RankAgreement(Callback):
 
     Checked in ``setup``, once the process group is up and before any step:
     every rank gathers every rank's facts, so all of them stop together with
-    the same message. ``strict=False`` warns instead. ``ranks`` keeps the
-    gathered table.
+    the same message (:func:`~reprotrain.determinism.refuse_or_warn` decides,
+    by ``mode``). ``ranks`` keeps the gathered table.
     """
 
-    def __init__(self, facts: Mapping[str, Any], strict: bool = True) -> None:
+    def __init__(self, facts: Mapping[str, Any], mode: Mode = True) -> None:
         self.facts = dict(facts)
-        self.strict = strict
+        self.mode = mode
         self.ranks: list[dict[str, Any]] = [self.facts]
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -167,6 +166,4 @@ class RankAgreement(Callback):
             "the same code, params, data and environment (several nodes: the same image, the data "
             "and the checkpoint folder on shared storage)"
         )
-        if self.strict:
-            raise DeterminismError(message)
-        warnings.warn(message, stacklevel=2)
+        refuse_or_warn(self.mode, message)

@@ -27,14 +27,13 @@ from __future__ import annotations
 import errno
 import math
 import os
-import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reprotrain.determinism import DeterminismError
+from reprotrain.determinism import refuse_or_warn
 from reprotrain.pipeline.config import ModelConfig, Params
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.rawdata import load_raw, split_sizes
@@ -201,9 +200,7 @@ def preflight(
             f"cpu.profile: portable needs a CPU with {', '.join(missing)} (x86-64-v3), which this "
             "one lacks, so it cannot give the committed bits here; set cpu.profile: native"
         )
-        if params.deterministic is True:
-            raise DeterminismError(message)
-        print(f"reprotrain: warning: {message}", file=sys.stderr)
+        refuse_or_warn(params.deterministic, message)
     x, y, source = load_raw(params.data.source, raw_dir)
     sizes = split_sizes(len(y), params.data, source)
     shape = (int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))

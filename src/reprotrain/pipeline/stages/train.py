@@ -51,10 +51,10 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from reprotrain.atomic import atomic_write_safetensors, atomic_write_text
 from reprotrain.determinism import (
-    DeterminismError,
     DeterminismSettings,
     configure_determinism,
     explain_nondeterministic_error,
+    refuse_or_warn,
 )
 from reprotrain.distributed.ddp import (
     BACKENDS,
@@ -178,10 +178,8 @@ def _check_lock(lock: dict, mode: object, evidence: bool = False) -> None:
     )
     if evidence:
         print(f"reprotrain train: evidence mode, recorded not refused: {message}", file=sys.stderr)
-    elif mode is True:
-        raise DeterminismError(message)
-    elif mode == "warn":
-        warnings.warn(message, stacklevel=2)
+    else:
+        refuse_or_warn(mode, message)
 
 
 def find_resume_point(run_dir: Path, identity: str) -> Path | None:
@@ -243,7 +241,7 @@ def fit(
     callbacks: list[L.Callback] = [*extra_callbacks, OpRecorder()]
     if ddp or invariant:
         facts = {"run_id": identity, "resume_from": resume_from and resume_from.name}
-        callbacks.append(RankAgreement(facts, strict=settings.mode is True))
+        callbacks.append(RankAgreement(facts, mode=settings.mode))
     if tracer is not None:
         callbacks.append(tracer)
     if checkpoint_dir is not None:
