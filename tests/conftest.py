@@ -1,6 +1,6 @@
 """Shared fixtures: the repository root, a CLI runner, and a prepared dataset.
 
-``REPROTRAIN_TEST_ATEN_LEVEL`` (``make test-other-isa``) runs the pytest
+``REPROTRAIN_TEST_ATEN_LEVEL`` (``make test`` sets ``default``) runs the pytest
 processes themselves at another ATen level than the CPU profile pins, as on a
 host whose own level is not the pin (an AVX-512 CPU under the portable
 profile's AVX2): ATen reads ``ATEN_CPU_CAPABILITY`` once, so this module sets

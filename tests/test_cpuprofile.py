@@ -169,7 +169,7 @@ print(torch.backends.cpu.get_cpu_capability(), "ATEN_CPU_CAPABILITY" in os.envir
 
 
 def test_the_emulated_aten_level_holds_in_pytest_processes_only() -> None:
-    """`make test-other-isa`: this process at another level, what it starts at the host's."""
+    """`make test`: this process at another level, what it starts at the host's."""
     probe = (sys.executable, "-c", _EMULATION_PROBE)
     host = run_checked(*probe, cwd=ROOT, PYTHONPATH=str(ROOT)).split()
     assert host[0] != "DEFAULT" and host[1] == "False" and host[2] == host[0]

@@ -160,3 +160,58 @@ def test_readme_is_short_and_links_every_top_level_doc() -> None:
     assert docs, "docs/*.md missing"
     unlinked = [doc.name for doc in docs if doc.resolve() not in linked]
     assert not unlinked, f"README.md does not link docs/{unlinked}"
+
+
+def package_map(text: str) -> list[str]:
+    """The module paths the package block of docs/architecture.md names, in order.
+
+    The block starts at ``src/reprotrain/``; each level indents two spaces; a
+    line is ``name.py`` or ``folder/`` and then its description.
+    """
+    block = text.split("\n```\nsrc/reprotrain/\n", 1)[1].split("\n```", 1)[0]
+    folders: list[str] = []
+    named = []
+    for line in block.splitlines():
+        match = re.match(r"( *)(\S+)", line)
+        if not match or match[2].startswith("#"):
+            continue
+        depth = len(match[1]) // 2 - 1
+        del folders[depth:]
+        if match[2].endswith("/"):
+            folders.append(match[2])
+        elif match[2].endswith(".py"):
+            named.append("".join(folders) + match[2])
+    return named
+
+
+def package_modules(package: Path) -> list[str]:
+    """Every module of the package, less the subpackages' ``__init__.py`` (the folder line)."""
+    return sorted(
+        path.relative_to(package).as_posix()
+        for path in package.rglob("*.py")
+        if "__pycache__" not in path.parts
+        and (path.name != "__init__.py" or path.parent == package)
+    )
+
+
+def test_architecture_names_every_module_once() -> None:
+    named = package_map((ROOT / "docs" / "architecture.md").read_text())
+    assert sorted(set(named)) == sorted(named), "named twice"
+    assert sorted(named) == package_modules(ROOT / "src" / "reprotrain")
+
+
+def test_a_module_missing_from_the_architecture_map_is_caught(tmp_path: Path) -> None:
+    """Negative control: an added module and a moved one both show."""
+    named = package_map((ROOT / "docs" / "architecture.md").read_text())
+    package = tmp_path / "reprotrain"
+    for name in named:
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text("")
+    assert package_modules(package) == sorted(named)
+    (package / "trace" / "added.py").write_text("")
+    (package / "hashing.py").rename(package / "compare" / "hashing.py")
+    assert set(package_modules(package)) ^ set(named) == {
+        "trace/added.py",
+        "hashing.py",
+        "compare/hashing.py",
+    }

@@ -27,8 +27,10 @@ def source_files(module: str) -> list[Path]:
     """The source files of ``module`` and of every module of its package it imports, transitively.
 
     Found statically (``import`` statements, including ones inside functions),
-    so the answer does not depend on what happens to be loaded. This is the
-    code a stage runs; ``dvc.yaml`` lists the same files as the stage's deps.
+    so the answer does not depend on what happens to be loaded; with each
+    module its packages' ``__init__.py`` (Python runs them first). This is the
+    code a stage runs; DVC sees exactly these files of the package
+    (``.dvcignore`` hides the rest, tests/test_cache_key.py checks both ways).
     """
     package = module.split(".")[0]
     root = Path(importlib.util.find_spec(package).origin).parent
@@ -49,7 +51,8 @@ def source_files(module: str) -> list[Path]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 todo.append(node.module)
                 todo.extend(f"{node.module}.{alias.name}" for alias in node.names)
-        todo = [n for n in todo if n.split(".")[0] == package]
+        parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
+        todo = [n for n in [*todo, *parents] if n.split(".")[0] == package]
     return sorted(seen.values())
 
 
