@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from reprotrain import fingerprint as devicehash
+from reprotrain import fingerprint as fpmod
 from reprotrain.determinism import configure_determinism
 from reprotrain.fingerprint import (
     bytes_fingerprints,
@@ -270,10 +270,10 @@ def test_the_host_gives_the_fingerprints_of_the_torch_kernels(numel: int) -> Non
         torch.rand(numel, generator=gen) > 0.5,
     ]
     data = [tensor_bytes(t) for t in tensors]
-    with devicehash._one_thread():
-        kernels = [int(devicehash._large(d)) & 0xFFFFFFFF for d in data]
-        if all(d.numel() <= devicehash._SMALL_BYTES for d in data):
-            assert (devicehash._small(data, torch.device("cpu")) & 0xFFFFFFFF).tolist() == kernels
+    with fpmod._one_thread():
+        kernels = [int(fpmod._large(d)) & 0xFFFFFFFF for d in data]
+        if all(d.numel() <= fpmod._SMALL_BYTES for d in data):
+            assert (fpmod._small(data, torch.device("cpu")) & 0xFFFFFFFF).tolist() == kernels
     assert host_fingerprints(tensors) == kernels
     if numel <= 262_144:
         assert bytes_fingerprints([host_bytes(t) for t in tensors]) == kernels
