@@ -12,8 +12,9 @@ import pathspec
 import pytest
 import yaml
 
-from reprotrain.pipeline.arguments import COMMANDS, stage_arguments
-from reprotrain.pipeline.arguments import STAGES as ARGUMENT_STAGES
+from reprotrain.cli import VERBS
+from reprotrain.pipeline.command import STAGES as COMMAND_STAGES
+from reprotrain.pipeline.command import Command, stage_arguments
 from reprotrain.pipeline.errors import DataError
 from reprotrain.provenance.identity import source_files
 from tests.helpers import ROOT
@@ -105,15 +106,19 @@ def test_no_two_modules_share_a_name_or_a_near_name() -> None:
 
 def test_stages_folder_is_exactly_the_dvc_yaml_stages_and_commands_are_the_other_verbs() -> None:
     stages = {p.stem for p in (PACKAGE / "pipeline" / "stages").glob("[!_]*.py")}
-    assert stages == set(_dvc_stages()) == set(ARGUMENT_STAGES)
+    assert stages == set(_dvc_stages()) == set(COMMAND_STAGES)
     verbs = {p.stem for p in (PACKAGE / "commands").glob("[!_]*.py")}
-    for name, command in COMMANDS.items():
+    for name, path in VERBS.items():
         layer = "stages" if name in stages else "commands"
-        assert layer_of(command.module) == layer, name
-        module = importlib.import_module(command.module)
-        assert command.takes_params == bool(module.PARAMS), name
+        assert layer_of(path) == layer and path.endswith(f".{name.replace('-', '_')}"), name
+        module = importlib.import_module(path)
+        # Each verb module declares its own options and how the CLI runs it.
+        assert isinstance(module.COMMAND, Command), name
+        assert module.COMMAND.add_arguments is module.add_arguments, name
+        assert module.COMMAND.takes_params == bool(module.PARAMS), name
         assert callable(module.run), name
-    assert {n.replace("-", "_") for n in COMMANDS} == stages | verbs
+    assert {n.replace("-", "_") for n in VERBS} == stages | verbs
+    assert list(VERBS)[: len(COMMAND_STAGES)] == list(COMMAND_STAGES)
 
 
 def _dvc_stages() -> dict:
@@ -233,7 +238,7 @@ def test_workflow_actions_are_pinned_by_sha_with_read_only_permissions() -> None
             assert "write" not in str(job.get("permissions", "")), f"{path}: job {name}"
 
 
-@pytest.mark.parametrize("stage", ARGUMENT_STAGES)
+@pytest.mark.parametrize("stage", COMMAND_STAGES)
 def test_every_stage_command_in_dvc_yaml_parses_with_its_own_parser(stage: str) -> None:
     args = stage_arguments(stage, ROOT / "dvc.yaml")
     paths = {k: v for k, v in vars(args).items() if v is not None and not isinstance(v, bool)}

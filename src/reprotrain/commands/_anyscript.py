@@ -47,7 +47,7 @@ from reprotrain.commands._rundiff import OPS_FOLDER
 from reprotrain.commands.run import command_of, launch_environment
 from reprotrain.compare.files import FileVerdict, compare_files, one_sided
 from reprotrain.hashing import canonical_json
-from reprotrain.pipeline.arguments import DVC_YAML
+from reprotrain.pipeline.command import DVC_YAML
 from reprotrain.pipeline.errors import DataError
 from reprotrain.trace.tracefile import is_trace_file, load_trace
 

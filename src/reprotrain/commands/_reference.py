@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from reprotrain.pipeline.arguments import stage_arguments
+from reprotrain.pipeline.command import stage_arguments
 from reprotrain.pipeline.errors import DataError
 from reprotrain.provenance.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
 

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
-from reprotrain.pipeline.arguments import stage_arguments
+from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.stages.env import whole_environment
 from reprotrain.provenance.dvcchecksum import md5_file
@@ -35,6 +35,18 @@ from reprotrain.provenance.environment import HOST_KEY, bit_deciding, git_state
 
 PARAMS: tuple[str, ...] = ()
 Status = Literal["pass", "warn", "fail"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dvc_yaml(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if any item fails")
+
+
+#: Restarts so that the variables it records are the ones the stages run with.
+COMMAND = Command(
+    "reproducibility checklist: pass / warn / fail per item", add_arguments, restarts=True
+)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from reprotrain.hashing import canonical_json
-from reprotrain.pipeline.arguments import stage_arguments
+from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.run_record import load_environment
 from reprotrain.pipeline.stages.env import record_environment, stage_params
@@ -27,6 +27,19 @@ from reprotrain.provenance.envdiff import compare_environments
 
 PARAMS: tuple[str, ...] = ()
 EXIT_WOULD_CHANGE = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dvc_yaml(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+#: Restarts so that the record it takes is the one the env stage would write.
+COMMAND = Command(
+    "would `dvc repro` change anything that decides the bits? exit 0 when not",
+    add_arguments,
+    restarts=True,
+)
 
 
 def run(_: object, args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ import sys
 from pathlib import Path
 
 from reprotrain.determinism import DeterminismSettings, configure_determinism, refuse_or_warn
+from reprotrain.pipeline.command import Command, add_paths
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.run_record import load_environment, run_inputs, write_run_record
 from reprotrain.provenance.identity import run_id
@@ -63,6 +64,35 @@ PARAMS = (
     "train.precision",
     "train.world_size_invariant",
     "train.micro_batch_size",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    required = {
+        "data": "prepared dataset file",
+        "model": "weights to write",
+        "metrics": "training metrics JSON",
+        "plots": "folder for curve CSVs",
+        "env": "environment record (env stage)",
+        "run-record": "run.json to write",
+        "checkpoints": "checkpoint folder",
+    }
+    add_paths(parser, required, required=True)
+    optional = {
+        "trace": "per-step trace to write (read by compare)",
+        "dvc-lock": "verify --data against this dvc.lock",
+    }
+    add_paths(parser, optional, required=False)
+    parser.add_argument(
+        "--evidence",
+        action="store_true",
+        help="record drift from the lock instead of refusing it, for measurements on a host "
+        "not built from the lock (benchmarks/gpu_evidence.py); never used by dvc.yaml",
+    )
+
+
+COMMAND = Command(
+    "train the model deterministically", add_arguments, takes_params=True, restarts=True
 )
 
 
