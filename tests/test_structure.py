@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from reprotrain.cli import VERBS
+from reprotrain.commands import _exit_codes
 from reprotrain.pipeline.command import STAGES as COMMAND_STAGES
 from reprotrain.pipeline.command import Command, stage_arguments
 from reprotrain.pipeline.errors import DataError
@@ -82,6 +83,40 @@ def test_a_planted_reverse_import_is_found(tmp_path: Path) -> None:
     assert layering_violations(copy) == [
         "reprotrain.pipeline.model (pipeline) imports reprotrain.pipeline.stages.train",
         "reprotrain.trace.callback (library) imports reprotrain.pipeline.config",
+    ]
+
+
+def exit_code_definitions(package: Path) -> list[str]:
+    """Every ``EXIT_... = <int>`` outside commands/_exit_codes.py, as ``module.NAME``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "_exit_codes.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.Assign | ast.AnnAssign):
+                continue
+            if not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, int)):
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [t.id for t in targets if isinstance(t, ast.Name)]
+            module = _module_name(path, package)
+            found += [f"{module}.{name}" for name in names if name.startswith("EXIT_")]
+    return found
+
+
+def test_every_exit_code_is_defined_once_with_one_meaning() -> None:
+    assert exit_code_definitions(PACKAGE) == []
+    codes = [value for name, value in vars(_exit_codes).items() if name.startswith("EXIT_")]
+    assert len(codes) == len(set(codes)) == 7
+
+
+def test_a_planted_second_exit_code_is_found(tmp_path: Path) -> None:
+    planted = tmp_path / "reprotrain" / "commands" / "compare.py"
+    planted.parent.mkdir(parents=True)
+    original = (PACKAGE / "commands" / "compare.py").read_text()
+    planted.write_text(f"{original}\nEXIT_DIFFERENT = 1\n")
+    assert exit_code_definitions(tmp_path / "reprotrain") == [
+        "reprotrain.commands.compare.EXIT_DIFFERENT"
     ]
 
 

@@ -13,14 +13,11 @@ configure determinism (``restarts``) first restart the interpreter with
 ``params.yaml`` load it once and apply overrides (``--seed 7``,
 ``--deterministic warn``, ``-S train.lr=0.01``).
 
-Exit codes: 0 done; 1 a check failed (``checklist --strict``; ``verify``,
-``compare`` or ``locate`` found a difference); 2 bad input
-(params, data, model, lock or record file), nothing written; 3 the
-determinism guarantee cannot be honoured in this process; ``verify -- CMD``
-also 4 (tensors equal, another file differs) and 5 (a file unreadable as
-its kind), see :mod:`reprotrain.commands._anyscript`; 6 ``verify
---reference`` found every output as committed but the record that decides
-the bits (environment record, run ID) differs; 130 interrupted.
+Exit codes, each with its meaning in :mod:`reprotrain.commands._exit_codes`:
+0 done; 1 a check failed; 2 bad input, nothing written; 3 the determinism
+guarantee cannot be honoured in this process; 4 and 5 ``verify -- CMD``'s
+other verdicts; 6 ``verify --reference``: same outputs, the record differs;
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -34,6 +31,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
+from reprotrain.commands._exit_codes import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_DETERMINISTIC,
+)
 from reprotrain.pipeline.command import Command, add_override_option
 
 #: Every verb -> the module that declares and runs it, in the order ``--help`` lists
@@ -55,11 +57,6 @@ VERBS = {
     "bench": "reprotrain.commands.bench",
     "ops": "reprotrain.commands.ops",
 }
-EXIT_CHECK_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_NOT_DETERMINISTIC = 3
-#: As a shell reports a process ended by SIGINT.
-EXIT_INTERRUPTED = 130
 
 
 def verb_module(verb: str) -> ModuleType:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
+from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.stages.env import whole_environment
@@ -63,7 +64,8 @@ def run(_: Params | None, args: argparse.Namespace) -> int:
         print(json.dumps([asdict(item) for item in items], indent=2))
     else:
         print(render_markdown(items), end="")
-    return 1 if args.strict and any(item.status == "fail" for item in items) else 0
+    failed = args.strict and any(item.status == "fail" for item in items)
+    return EXIT_CHECK_FAILED if failed else 0
 
 
 def render_markdown(items: list[Item]) -> str:

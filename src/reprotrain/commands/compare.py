@@ -21,12 +21,12 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.commands._rundiff import OPS_FOLDER, compare_runs, find_run, with_op_diff
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.command import Command
 
 PARAMS: tuple[str, ...] = ()
-EXIT_DIFFERENT = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def run(_: object, args: argparse.Namespace) -> int:
         print(result.to_text())
         if args.plot:
             print(f"loss plot: {args.plot}")
-    return 0 if result.identical else EXIT_DIFFERENT
+    return 0 if result.identical else EXIT_CHECK_FAILED
 
 
 def _recording_of(run: Path) -> Path | None:

@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.determinism import configure_determinism
 from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.config import Params
@@ -31,7 +32,6 @@ if TYPE_CHECKING:  # torch and Lightning load when it runs, not when the CLI rea
     from reprotrain.pipeline.model import Classifier
 
 PARAMS = ("seed", "deterministic", "data.batch_size", "model", "train")
-EXIT_DIFFERENT = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,4 +76,4 @@ def run(params: Params, args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(result), sort_keys=True))
     else:
         print(f"reprotrain locate: {result}")
-    return 0 if result.identical else EXIT_DIFFERENT
+    return 0 if result.identical else EXIT_CHECK_FAILED

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 
+from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.pipeline.command import Command
 from reprotrain.pipeline.errors import DataError
 
 PARAMS: tuple[str, ...] = ()
-EXIT_DIFFERENT = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,4 +44,4 @@ def run(_: object, args: argparse.Namespace) -> int:
         print(result.to_json(), end="")
     else:
         print(f"reprotrain opdiff: {result.to_text()}")
-    return 0 if result.identical else EXIT_DIFFERENT
+    return 0 if result.identical else EXIT_CHECK_FAILED

@@ -56,7 +56,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from reprotrain.commands._reference import EXIT_RECORD_DIFFERS, changed_paths, classify_changes
+from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED, EXIT_RECORD_DIFFERS
+from reprotrain.commands._reference import changed_paths, classify_changes
 from reprotrain.commands._rerun import Workspace, rerun_workspace, train_fresh
 from reprotrain.commands._rundiff import (
     OPS_FOLDER,
@@ -75,7 +76,6 @@ from reprotrain.pipeline.run_record import load_environment
 from reprotrain.provenance.envdiff import compare_environments
 
 PARAMS: tuple[str, ...] = ()
-EXIT_DIFFERENT = 1
 #: Trace records whose difference, with the same batch, RNG and weights, blames a kernel.
 KERNEL_RECORDS = ("loss", "grads")
 #: Options of ``verify -- CMD`` that the pipeline's own runs refuse (default: not given).
@@ -259,7 +259,7 @@ def _report(results: list[RunComparison], workdir: Path, keep: bool, as_json: bo
     if not as_json:
         verdict = "IDENTICAL" if identical else "NOT REPRODUCIBLE"
         print(f"reprotrain verify: {verdict} ({len(results) + 1} runs)")
-    return 0 if identical else EXIT_DIFFERENT
+    return 0 if identical else EXIT_CHECK_FAILED
 
 
 def check_reference(rev: str, workdir: Path | None) -> int:
@@ -320,7 +320,7 @@ def check_reference(rev: str, workdir: Path | None) -> int:
         else:
             print(result.to_text())
     print(f"reprotrain verify: NOT REPRODUCED: {rev}'s outputs differ here (clone kept: {clone})")
-    return EXIT_DIFFERENT
+    return EXIT_CHECK_FAILED
 
 
 def _share_dvc_cache(repo: Path, clone: Path) -> None:
