@@ -29,8 +29,9 @@ from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.config import Params, load_params
 from reprotrain.pipeline.data import load_prepared, save_prepared
 from reprotrain.pipeline.rawdata import load_raw
-from reprotrain.pipeline.stages import prepare, train
+from reprotrain.pipeline.stages import prepare
 from reprotrain.pipeline.stages.env import record_environment
+from reprotrain.pipeline.training import fit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -119,7 +120,7 @@ def time_training(data: Path, overrides: list[str]) -> None:
     settings = configure_determinism(params.seed, params.deterministic)
     threads = set_threads_per_rank(params.train.devices)
     timer = StepTimer()
-    train.fit(params, load_prepared(data), settings, extra_callbacks=[timer])
+    fit(params, load_prepared(data), settings, callbacks=[timer])
     if this_rank() == 0:
         step = statistics.median(timer.per_step)
         print(json.dumps({"step_s": step, "steps": len(timer.per_step), "threads": threads}))

@@ -42,13 +42,13 @@ def measure(onednn: bool) -> float:
 
     import torch
 
-    from reprotrain.commands.bench import _conv_workload, set_mode, time_run
+    from reprotrain.commands._steptime import conv_workload, set_mode, time_run
 
     torch.set_num_threads(1)
     torch.backends.mkldnn.enabled = onednn
     set_mode("deterministic")
     conv = ap.Namespace(batch_size=32, image_size=32, channels=3, width=32)
-    setup, batches = _conv_workload(conv, torch.device("cpu"))
+    setup, batches = conv_workload(conv, torch.device("cpu"))
     return time_run(setup, batches, steps=10, warmup=3, device=torch.device("cpu"))
 
 

@@ -26,7 +26,7 @@ from _workspace import ROOT, train_workspace
 from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import load_prepared
-from reprotrain.pipeline.stages import train
+from reprotrain.pipeline.training import Checkpointing
 from reprotrain.resume import RandomStateCallback
 
 
@@ -43,9 +43,8 @@ def main() -> None:
         def fit(random_state: bool) -> float:
             settings = configure_determinism(params.seed, params.deterministic)
             start = time.perf_counter()
-            train.fit(
-                params, data, settings, Path(ckpt) / str(random_state), "bench", None, random_state
-            )
+            folder = Path(ckpt) / str(random_state)
+            fit(params, data, settings, Checkpointing(folder, "bench", None, random_state))
             return time.perf_counter() - start
 
         fit(True), fit(False)  # warm-up

@@ -1,21 +1,50 @@
-"""The CLI answers --help and argument errors without importing torch or Lightning."""
+"""The CLI answers --help and argument errors without importing torch or Lightning.
+
+It builds its parser by importing every verb module (cli.VERBS) for its
+``COMMAND``, so each of them must import nothing heavy at module level: the
+probe runs ``reprotrain VERB --help`` in a fresh interpreter and lists what
+got imported (about 0.14 s in all here, against 3-4 s for torch and Lightning).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from reprotrain.pipeline.arguments import COMMANDS
+from reprotrain import cli
+from reprotrain.cli import VERBS, verb_command
 from tests.helpers import ROOT, cli_env
 
 HEAVY = ("torch", "lightning", "numpy", "safetensors")
+#: The verbs that train or configure determinism (or record the variables the stages run
+#: with: env, checklist, status), so must start with PYTHONHASHSEED and the CPU profile fixed.
+RESTARTING = {
+    "env",
+    "prepare",
+    "train",
+    "evaluate",
+    "run-id",
+    "checklist",
+    "status",
+    "verify",
+    "locate",
+    "noise-floor",
+    "bench",
+    "ops",
+}
 
 
-def _imported_after(argv: list[str]) -> tuple[int, set[str]]:
-    """Run ``reprotrain ARGV`` in a fresh interpreter: exit code, heavy modules it loaded."""
+def _imported_after(argv: list[str], src: Path = ROOT / "src") -> tuple[int, set[str]]:
+    """Run ``reprotrain ARGV`` in a fresh interpreter: exit code, heavy modules it loaded.
+
+    ``src`` is the folder the ``reprotrain`` package is imported from.
+    """
     probe = (
         "import sys\n"
         "from reprotrain.cli import main\n"
@@ -26,17 +55,34 @@ def _imported_after(argv: list[str]) -> tuple[int, set[str]]:
         f"print(code, *sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, env=cli_env()
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=cli_env(PYTHONPATH=str(src)),
     )
     words = result.stdout.splitlines()[-1].split() if result.stdout else []
     assert words, result.stderr
     return int(words[0]), set(words[1:])
 
 
-@pytest.mark.parametrize("command", ["", *COMMANDS, "params"])
+@pytest.mark.parametrize("command", ["", *VERBS, "params"])
 def test_help_imports_no_torch(command: str) -> None:
     code, heavy = _imported_after([command, "--help"] if command else ["--help"])
     assert (code, heavy) == (0, set())
+
+
+def test_a_verb_module_that_imports_torch_at_the_top_is_caught(tmp_path: Path) -> None:
+    """Negative control: the probe sees a planted module-level import in one verb module."""
+    copy = tmp_path / "reprotrain"
+    shutil.copytree(ROOT / "src" / "reprotrain", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    verb = copy / "commands" / "compare.py"
+    text = verb.read_text()
+    verb.write_text(text.replace("import argparse\n", "import argparse\n\nimport torch\n", 1))
+    for argv in (["--help"], ["opdiff", "--help"]):  # every verb's help builds the parser
+        code, heavy = _imported_after(argv, src=tmp_path)
+        assert code == 0 and "torch" in heavy, argv
+    assert _imported_after(["--help"]) == (0, set())  # the unplanted package
 
 
 @pytest.mark.parametrize("command", ["train", "verify", "bench", "compare"])
@@ -51,6 +97,44 @@ def test_running_a_command_does_import_what_it_needs() -> None:
     assert code == 0 and "torch" not in heavy
     code, heavy = _imported_after(["ops", "--only", "no-such-op", "--repeats", "2"])
     assert "torch" in heavy
+
+
+def test_the_verbs_that_restart_are_those_that_train_or_configure_determinism() -> None:
+    assert {verb for verb in VERBS if verb_command(verb).restarts} == RESTARTING
+
+
+class _Restarted(Exception):
+    pass
+
+
+def _restarts(verb_args: list[str], monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether a real start (``main()`` reading sys.argv) of ``reprotrain ARGS`` restarts."""
+
+    def restart(_: object) -> None:
+        raise _Restarted
+
+    monkeypatch.setattr(cli, "_restart_for_determinism", restart)
+    monkeypatch.setattr(sys, "argv", ["reprotrain", *verb_args])
+    try:
+        cli.main()
+    except _Restarted:
+        return True
+    return False
+
+
+def test_a_verb_restarts_exactly_when_its_command_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import reprotrain.commands.compare as compare
+
+    missing = ["compare", "no-such-run-a", "no-such-run-b"]
+    assert not _restarts(missing, monkeypatch)  # ran instead, and said the run is missing
+    assert "no-such-run-a" in capsys.readouterr().err
+    assert _restarts(["status"], monkeypatch)
+    assert not _restarts(["params", "--defaults"], monkeypatch)
+    # Negative control: the same verb restarts once its entry says so.
+    monkeypatch.setattr(compare, "COMMAND", dataclasses.replace(compare.COMMAND, restarts=True))
+    assert _restarts(missing, monkeypatch)
 
 
 def test_a_usage_error_is_one_line_that_says_where_to_look() -> None:

@@ -10,6 +10,7 @@ script without a fault is IDENTICAL (negative control).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -19,9 +20,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from reprotrain.hashing import load_safetensors, safetensors_metadata
+from reprotrain.determinism import configure_determinism
+from reprotrain.hashing import load_safetensors, safetensors_metadata, sha256_state_dict
 from reprotrain.ops.align import OpRecordError, compare_recordings
-from reprotrain.ops.recorder import record_step
+from reprotrain.ops.recorder import DIR_VARIABLE, WINDOW_VARIABLE, OpRecorder, record_step
+from reprotrain.pipeline.config import load_params
+from reprotrain.pipeline.data import load_prepared
+from reprotrain.pipeline.training import RECORD_OPS_VARIABLE, RECORDER_MODULE, fit
 from tests.helpers import ROOT, run_cli
 
 SCRIPT = ROOT / "tests" / "scripts" / "fault_loop.py"
@@ -102,6 +107,38 @@ def test_under_torch_compile_dynamo_does_not_trace_the_recorder(tmp_path: Path) 
     # The mode is popped while its handler runs; unguarded, Dynamo compiled ~20 graphs here.
     assert counters["stats"]["unique_graphs"] == graphs
     assert len(load_safetensors(tmp_path / "ops-rank0.safetensors")[0]["ops"]) > 10
+
+
+def _fit_weights(prepared: Path) -> tuple[str, list[str]]:
+    """The train stage's fit for one epoch: sha256 of the weights, names of its callbacks."""
+    params = load_params(ROOT / "params.yaml", ["train.max_epochs=1", "data.num_workers=0"])
+    settings = configure_determinism(params.seed, params.deterministic)
+    module, _ = fit(params, load_prepared(prepared), settings)
+    names = [type(c).__name__ for c in module.trainer.callbacks]
+    return sha256_state_dict(module.net.state_dict()), names
+
+
+@pytest.mark.usefixtures("restore_torch_flags")
+def test_recording_a_training_step_leaves_the_weights_unchanged(
+    prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Why the train stage may load the recorder by name, outside its code hash: it
+    # observes the ops and never decides the bits.
+    monkeypatch.delenv(RECORD_OPS_VARIABLE, raising=False)
+    plain, callbacks = _fit_weights(prepared)
+    assert "OpRecorder" not in callbacks  # attached only when a recording is asked for
+    monkeypatch.setenv(RECORD_OPS_VARIABLE, "1")
+    monkeypatch.setenv(DIR_VARIABLE, str(tmp_path / "ops"))
+    recorded, callbacks = _fit_weights(prepared)
+    # Negative control: the recorder did run, and recorded the step's ops.
+    assert "OpRecorder" in callbacks
+    assert len(load_safetensors(tmp_path / "ops" / "ops-rank0.safetensors")[0]["ops"]) > 10
+    assert recorded == plain
+
+
+def test_the_train_stage_names_the_variable_the_recorder_reads() -> None:
+    assert RECORD_OPS_VARIABLE == WINDOW_VARIABLE
+    assert importlib.import_module(RECORDER_MODULE).OpRecorder is OpRecorder
 
 
 def test_recordings_of_different_models_are_refused(tmp_path: Path) -> None:

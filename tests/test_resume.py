@@ -22,7 +22,7 @@ from reprotrain.determinism import configure_determinism
 from reprotrain.hashing import sha256_file, sha256_state_dict
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import ResumableLoader, ShiftedImages, load_prepared
-from reprotrain.pipeline.stages import train
+from reprotrain.pipeline.training import Checkpointing, fit
 from reprotrain.resume import InterruptCheckpoint, latest_checkpoint, sidecar
 from tests.helpers import (
     ROOT,
@@ -56,9 +56,8 @@ def _fit(prepared: Path, epochs: int, run_dir: Path, resume=None, random_state=T
     ]
     params = load_params(ROOT / "params.yaml", overrides)
     settings = configure_determinism(params.seed, params.deterministic)
-    module, _ = train.fit(
-        params, load_prepared(prepared), settings, run_dir, "run", resume, random_state
-    )
+    checkpointing = Checkpointing(run_dir, "run", resume, random_state)
+    module, _ = fit(params, load_prepared(prepared), settings, checkpointing)
     return sha256_state_dict(module.net.state_dict())
 
 

@@ -12,8 +12,10 @@ import pathspec
 import pytest
 import yaml
 
-from reprotrain.pipeline.arguments import COMMANDS, stage_arguments
-from reprotrain.pipeline.arguments import STAGES as ARGUMENT_STAGES
+from reprotrain.cli import VERBS
+from reprotrain.commands import _exit_codes
+from reprotrain.pipeline.command import STAGES as COMMAND_STAGES
+from reprotrain.pipeline.command import Command, stage_arguments
 from reprotrain.pipeline.errors import DataError
 from reprotrain.provenance.identity import source_files
 from tests.helpers import ROOT
@@ -84,6 +86,40 @@ def test_a_planted_reverse_import_is_found(tmp_path: Path) -> None:
     ]
 
 
+def exit_code_definitions(package: Path) -> list[str]:
+    """Every ``EXIT_... = <int>`` outside commands/_exit_codes.py, as ``module.NAME``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "_exit_codes.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.Assign | ast.AnnAssign):
+                continue
+            if not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, int)):
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [t.id for t in targets if isinstance(t, ast.Name)]
+            module = _module_name(path, package)
+            found += [f"{module}.{name}" for name in names if name.startswith("EXIT_")]
+    return found
+
+
+def test_every_exit_code_is_defined_once_with_one_meaning() -> None:
+    assert exit_code_definitions(PACKAGE) == []
+    codes = [value for name, value in vars(_exit_codes).items() if name.startswith("EXIT_")]
+    assert len(codes) == len(set(codes)) == 7
+
+
+def test_a_planted_second_exit_code_is_found(tmp_path: Path) -> None:
+    planted = tmp_path / "reprotrain" / "commands" / "compare.py"
+    planted.parent.mkdir(parents=True)
+    original = (PACKAGE / "commands" / "compare.py").read_text()
+    planted.write_text(f"{original}\nEXIT_DIFFERENT = 1\n")
+    assert exit_code_definitions(tmp_path / "reprotrain") == [
+        "reprotrain.commands.compare.EXIT_DIFFERENT"
+    ]
+
+
 def _near(name: str) -> str:
     return name.lower().replace("_", "").removesuffix("s")
 
@@ -105,15 +141,19 @@ def test_no_two_modules_share_a_name_or_a_near_name() -> None:
 
 def test_stages_folder_is_exactly_the_dvc_yaml_stages_and_commands_are_the_other_verbs() -> None:
     stages = {p.stem for p in (PACKAGE / "pipeline" / "stages").glob("[!_]*.py")}
-    assert stages == set(_dvc_stages()) == set(ARGUMENT_STAGES)
+    assert stages == set(_dvc_stages()) == set(COMMAND_STAGES)
     verbs = {p.stem for p in (PACKAGE / "commands").glob("[!_]*.py")}
-    for name, command in COMMANDS.items():
+    for name, path in VERBS.items():
         layer = "stages" if name in stages else "commands"
-        assert layer_of(command.module) == layer, name
-        module = importlib.import_module(command.module)
-        assert command.takes_params == bool(module.PARAMS), name
+        assert layer_of(path) == layer and path.endswith(f".{name.replace('-', '_')}"), name
+        module = importlib.import_module(path)
+        # Each verb module declares its own options and how the CLI runs it.
+        assert isinstance(module.COMMAND, Command), name
+        assert module.COMMAND.add_arguments is module.add_arguments, name
+        assert module.COMMAND.takes_params == bool(module.PARAMS), name
         assert callable(module.run), name
-    assert {n.replace("-", "_") for n in COMMANDS} == stages | verbs
+    assert {n.replace("-", "_") for n in VERBS} == stages | verbs
+    assert list(VERBS)[: len(COMMAND_STAGES)] == list(COMMAND_STAGES)
 
 
 def _dvc_stages() -> dict:
@@ -233,7 +273,7 @@ def test_workflow_actions_are_pinned_by_sha_with_read_only_permissions() -> None
             assert "write" not in str(job.get("permissions", "")), f"{path}: job {name}"
 
 
-@pytest.mark.parametrize("stage", ARGUMENT_STAGES)
+@pytest.mark.parametrize("stage", COMMAND_STAGES)
 def test_every_stage_command_in_dvc_yaml_parses_with_its_own_parser(stage: str) -> None:
     args = stage_arguments(stage, ROOT / "dvc.yaml")
     paths = {k: v for k, v in vars(args).items() if v is not None and not isinstance(v, bool)}

@@ -1,24 +1,23 @@
 """The ``reprotrain`` command: the pipeline stages and the tools around them.
 
 Every sub-command is a stage (:mod:`reprotrain.pipeline.stages`) or a command
-(:mod:`reprotrain.commands`) with ``PARAMS`` and ``run``; its arguments are
-defined in :mod:`reprotrain.pipeline.arguments`, which imports no torch, so
-``--help`` and argument errors answer at once, and only the chosen module is
-imported, after parsing. ``run`` returns a one-line
-summary to print, or an exit code when it printed its own output. Commands
-that train or configure determinism first restart the interpreter with
+(:mod:`reprotrain.commands`), one module each, listed once in :data:`VERBS`.
+A verb module holds ``PARAMS``, ``add_arguments(parser)`` (its options),
+``COMMAND`` (a :class:`~reprotrain.pipeline.command.Command`: summary, options,
+whether it reads params.yaml and whether it restarts) and ``run``; it imports
+no torch at module level, so ``--help`` and argument errors answer at once
+(torch loads inside ``run``). ``run`` returns a one-line summary to print, or
+an exit code when it printed its own output. Commands that train or
+configure determinism (``restarts``) first restart the interpreter with
 ``PYTHONHASHSEED`` fixed, before torch is imported. Commands that read
 ``params.yaml`` load it once and apply overrides (``--seed 7``,
 ``--deterministic warn``, ``-S train.lr=0.01``).
 
-Exit codes: 0 done; 1 a check failed (``checklist --strict``; ``verify``,
-``compare`` or ``locate`` found a difference); 2 bad input
-(params, data, model, lock or record file), nothing written; 3 the
-determinism guarantee cannot be honoured in this process; ``verify -- CMD``
-also 4 (tensors equal, another file differs) and 5 (a file unreadable as
-its kind), see :mod:`reprotrain.commands._anyscript`; 6 ``verify
---reference`` found every output as committed but the record that decides
-the bits (environment record, run ID) differs; 130 interrupted.
+Exit codes, each with its meaning in :mod:`reprotrain.commands._exit_codes`:
+0 done; 1 a check failed; 2 bad input, nothing written; 3 the determinism
+guarantee cannot be honoured in this process; 4 and 5 ``verify -- CMD``'s
+other verdicts; 6 ``verify --reference``: same outputs, the record differs;
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -32,42 +31,51 @@ from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
-from reprotrain.pipeline.arguments import COMMANDS, add_override_option
-
-#: Commands that need PYTHONHASHSEED fixed at interpreter start; `env` and
-#: `checklist` too, so the variables they record are the ones the stages run with.
-REEXEC = (
-    "env",
-    "prepare",
-    "train",
-    "evaluate",
-    "run-id",
-    "checklist",
-    "status",
-    "verify",
-    "locate",
-    "noise-floor",
-    "bench",
-    "ops",
+from reprotrain.commands._exit_codes import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_DETERMINISTIC,
 )
-EXIT_CHECK_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_NOT_DETERMINISTIC = 3
-#: As a shell reports a process ended by SIGINT.
-EXIT_INTERRUPTED = 130
+from reprotrain.pipeline.command import Command, add_override_option
+
+#: Every verb -> the module that declares and runs it, in the order ``--help`` lists
+#: them: exactly the dvc.yaml stages, then the other commands. ``params`` is the CLI's own.
+VERBS = {
+    "env": "reprotrain.pipeline.stages.env",
+    "prepare": "reprotrain.pipeline.stages.prepare",
+    "train": "reprotrain.pipeline.stages.train",
+    "evaluate": "reprotrain.pipeline.stages.evaluate",
+    "run-id": "reprotrain.commands.run_id",
+    "checklist": "reprotrain.commands.checklist",
+    "verify": "reprotrain.commands.verify",
+    "status": "reprotrain.commands.status",
+    "compare": "reprotrain.commands.compare",
+    "locate": "reprotrain.commands.locate",
+    "opdiff": "reprotrain.commands.opdiff",
+    "run": "reprotrain.commands.run",
+    "noise-floor": "reprotrain.commands.noise_floor",
+    "bench": "reprotrain.commands.bench",
+    "ops": "reprotrain.commands.ops",
+}
 
 
-def _module(name: str) -> ModuleType:
-    return importlib.import_module(COMMANDS[name].module)
+def verb_module(verb: str) -> ModuleType:
+    """The module of ``verb``: light to import (its ``run`` loads torch when it needs it)."""
+    return importlib.import_module(VERBS[verb])
+
+
+def verb_command(verb: str) -> Command:
+    return verb_module(verb).COMMAND
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every sub-command; it imports none of their modules."""
+    """The argument parser of every sub-command, from each verb module's ``COMMAND``."""
     parser = OneLineParser(
         prog="reprotrain", description="Bitwise-reproducible Lightning training with DVC."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, command in COMMANDS.items():
+    for name in VERBS:
+        command = verb_command(name)
         sub = commands.add_parser(name, help=command.summary, description=command.summary)
         if command.takes_params:
             add_param_options(sub)
@@ -118,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _warnings_as_one_line()
     try:
-        if started and args.command in REEXEC:
+        if started and args.command != "params" and verb_command(args.command).restarts:
             _restart_for_determinism(args)
         if args.command == "params":
             text = (
@@ -128,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(text, end="")
             return 0
-        module = _module(args.command)
+        module = verb_module(args.command)
         params = load_params(args.params, overrides(args)) if module.PARAMS else None
         result = module.run(params, args)
         if isinstance(result, int):

@@ -43,15 +43,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from reprotrain.commands._exit_codes import (
+    EXIT_CHECK_FAILED,
+    EXIT_DIFFERS_OUTSIDE_TENSORS,
+    EXIT_UNREADABLE,
+)
 from reprotrain.commands._rundiff import OPS_FOLDER
 from reprotrain.commands.run import command_of, launch_environment
 from reprotrain.compare.files import FileVerdict, compare_files, one_sided
 from reprotrain.hashing import canonical_json
-from reprotrain.pipeline.arguments import DVC_YAML
+from reprotrain.pipeline.command import DVC_YAML
 from reprotrain.pipeline.errors import DataError
 from reprotrain.trace.tracefile import is_trace_file, load_trace
-
-EXIT_DIFFERENT = 1
 
 
 def _start(cmd: list[str], folder: Path, index: int, base: dict[str, str], extra: dict) -> None:
@@ -219,9 +222,9 @@ STATUS_RANK = ("tensors", "unreadable", "fields", "bytes", "identical")
 #: Verdict -> exit code. 2 (bad input) and 3 (determinism) are the CLI's own.
 EXIT_CODES = {
     "IDENTICAL": 0,
-    "NOT REPRODUCIBLE": EXIT_DIFFERENT,
-    "DIFFERS OUTSIDE TENSORS": 4,
-    "UNREADABLE": 5,
+    "NOT REPRODUCIBLE": EXIT_CHECK_FAILED,
+    "DIFFERS OUTSIDE TENSORS": EXIT_DIFFERS_OUTSIDE_TENSORS,
+    "UNREADABLE": EXIT_UNREADABLE,
 }
 
 

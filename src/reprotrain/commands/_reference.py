@@ -13,7 +13,8 @@ revision and then asks git what changed. A change is one of two kinds:
 
 :func:`classify_changes` splits ``git status`` into those two, so the verdict
 is exactly one of: as committed (exit 0), the same outputs under a different
-deciding record (:data:`EXIT_RECORD_DIFFERS`, naming the fields), or other
+deciding record (exit 6, :data:`~reprotrain.commands._exit_codes.EXIT_RECORD_DIFFERS`,
+naming the fields), or other
 outputs (exit 1, naming them). No torch import.
 """
 
@@ -27,13 +28,9 @@ from typing import Any
 
 import yaml
 
-from reprotrain.pipeline.arguments import stage_arguments
+from reprotrain.pipeline.command import stage_arguments
 from reprotrain.pipeline.errors import DataError
 from reprotrain.provenance.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
-
-#: Exit code of ``verify --reference`` when the outputs are the committed bytes but the
-#: deciding record (environment record, run ID) is not: a CI job may choose to accept it.
-EXIT_RECORD_DIFFERS = 6
 
 
 @dataclass

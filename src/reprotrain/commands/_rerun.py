@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from reprotrain.atomic import atomic_write_text
 from reprotrain.commands._rundiff import FLAT, METRICS
 from reprotrain.hashing import canonical_json
-from reprotrain.pipeline.arguments import stage_arguments
+from reprotrain.pipeline.command import stage_arguments
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.stages.env import record_environment
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from reprotrain.atomic import atomic_path
 from reprotrain.hashing import sha256_file
-from reprotrain.pipeline.arguments import stage_arguments
+from reprotrain.pipeline.command import stage_arguments
 from reprotrain.pipeline.errors import DataError
 from reprotrain.provenance.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
 from reprotrain.provenance.environment import HOST_FILE, HOST_KEY

@@ -29,134 +29,53 @@ are steady-state step times.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import random
 import statistics
 import sys
-import time
-from collections.abc import Callable
-from typing import Any
-
-import torch
-from torch import nn
-from torch.nn import functional as F
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from reprotrain.atomic import atomic_write_text
-from reprotrain.commands._rerun import ensure_prepared
-from reprotrain.commands.ops import device_facts
 from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS
 from reprotrain.hashing import canonical_json
-from reprotrain.pipeline.arguments import stage_arguments
+from reprotrain.pipeline.command import Command, add_dvc_yaml
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.data import load_prepared
 from reprotrain.pipeline.errors import DataError
-from reprotrain.pipeline.model import Classifier
+
+if TYPE_CHECKING:  # torch loads when it measures (commands._steptime), not with --help
+    import torch
+
+    from reprotrain.commands._steptime import Batches, Setup
 
 PARAMS = ("seed", "cpu", "data.batch_size", "model", "train")
-#: Mode -> (deterministic algorithms and cudnn.deterministic, cudnn.benchmark).
-MODES = {
-    "deterministic": (True, False),
-    "default": (False, True),
-    "default_no_autotune": (False, False),
-}
 BOOTSTRAP_SAMPLES = 2000
 #: Below this many pairs a bootstrap interval is too coarse to call an effect resolved.
 MIN_PAIRS_FOR_VERDICT = 5
 
-Batches = list[tuple[torch.Tensor, torch.Tensor]]
-Setup = Callable[[], tuple[nn.Module, torch.optim.Optimizer]]
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=("pipeline", "conv", "both"), default="both")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per mode (paired)")
+    parser.add_argument("--batch-size", type=int, default=32, help="conv: images per batch")
+    parser.add_argument("--image-size", type=int, default=32, help="conv: image height = width")
+    parser.add_argument("--channels", type=int, default=3, help="conv: input channels")
+    parser.add_argument("--width", type=int, default=32, help="conv: first layer's channels")
+    parser.add_argument("--data", type=Path, help="prepared data (default: from dvc.yaml)")
+    add_dvc_yaml(parser)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--out", type=Path, help="also write the JSON report here")
 
 
-def set_mode(mode: str) -> None:
-    deterministic, benchmark = MODES[mode]
-    torch.use_deterministic_algorithms(deterministic)
-    torch.backends.cudnn.deterministic = deterministic
-    torch.backends.cudnn.benchmark = benchmark
-
-
-class SpatialMean(nn.Module):
-    """Global average pooling as a mean (adaptive pooling's CUDA backward has no
-    deterministic kernel; a mean's backward is a broadcast)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mean(dim=(2, 3))
-
-
-def conv_network(channels: int, width: int, classes: int = 10) -> nn.Module:
-    layers: list[nn.Module] = []
-    widths = [channels, width, 2 * width, 4 * width, 4 * width]
-    for i, (c_in, c_out) in enumerate(itertools.pairwise(widths)):
-        stride = 2 if i in (1, 2) else 1
-        layers += [nn.Conv2d(c_in, c_out, 3, stride, 1), nn.BatchNorm2d(c_out), nn.ReLU()]
-    return nn.Sequential(*layers, SpatialMean(), nn.Linear(widths[-1], classes))
-
-
-def _conv_workload(args: argparse.Namespace, device: torch.device) -> tuple[Setup, Batches]:
-    g = torch.Generator().manual_seed(0)
-    shape = (args.batch_size, args.channels, args.image_size, args.image_size)
-    batches = [
-        (
-            torch.randn(shape, generator=g).to(device),
-            torch.randint(0, 10, shape[:1], generator=g).to(device),
-        )
-        for _ in range(4)
-    ]
-
-    def setup() -> tuple[nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        net = conv_network(args.channels, args.width).to(device)
-        return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-
-    return setup, batches
-
-
-def _pipeline_workload(
-    params: Params, args: argparse.Namespace, device: torch.device
-) -> tuple[Setup, Batches]:
-    path = args.data
-    if path is None:
-        path = stage_arguments("train", args.dvc_yaml).data
-        ensure_prepared(path, "bench")
-    data = load_prepared(path)
-    x, y = data.split("train")
-    size = params.data.batch_size
-    batches = [
-        (x[i : i + size].to(device), y[i : i + size].to(device)) for i in range(0, size * 4, size)
-    ]
-
-    def setup() -> tuple[nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(params.seed)
-        module = Classifier(params.model, params.train, data.input_shape, data.num_classes)
-        module = module.to(device)
-        return module, module.configure_optimizers()
-
-    return setup, batches
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_run(
-    setup: Setup, batches: Batches, steps: int, warmup: int, device: torch.device
-) -> float:
-    """Median seconds per training step (forward, backward, optimizer) of one fresh run."""
-    model, optimizer = setup()
-    model.train()
-    times = []
-    for step in range(warmup + steps):
-        x, y = batches[step % len(batches)]
-        _sync(device)
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        _sync(device)
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+COMMAND = Command(
+    "step-time cost of determinism and of cuDNN autotuning, paired and interleaved",
+    add_arguments,
+    takes_params=True,
+    restarts=True,
+)
 
 
 def effect_pct(slow: list[float], fast: list[float], seed: int) -> dict[str, Any]:
@@ -184,15 +103,12 @@ def bench_workload(
     setup: Setup, batches: Batches, args: argparse.Namespace, device: torch.device
 ) -> dict[str, Any]:
     """Paired, interleaved runs of every mode; the figures in the module docstring."""
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    for repeat in range(args.repeats):
-        order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
-        for mode in order:
-            set_mode(mode)
-            try:
-                times[mode].append(time_run(setup, batches, args.steps, args.warmup, device))
-            except RuntimeError as err:
-                return {"error": f"{mode} mode: {err}".splitlines()[0], "modes": {}}
+    from reprotrain.commands._steptime import paired_step_times
+
+    try:
+        times = paired_step_times(setup, batches, args, device)
+    except RuntimeError as err:
+        return {"error": str(err).splitlines()[0], "modes": {}}
     modes = {
         m: {"step_times_s": t, "median_step_s": statistics.median(t)} for m, t in times.items()
     }
@@ -213,18 +129,14 @@ def run(params: Params, args: argparse.Namespace) -> int:
         raise DataError("--repeats must be >= 2, --steps >= 1 and --warmup >= 0")
     # cuBLAS reads this when its first handle is created: set it before anything touches CUDA.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise DataError("--device cuda: no CUDA device is visible here; use --device cpu")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from reprotrain.commands import _steptime  # torch
+    from reprotrain.commands._device import device_facts, pick_device
+
+    device = pick_device(args.device)
     # The CPU profile's in-process part (oneDNN, thread pools); its variables came with the start.
     for problem in params.cpu.to_profile().apply():
         print(f"reprotrain bench: warning: {problem}", file=sys.stderr)
     names = ("pipeline", "conv") if args.workload == "both" else (args.workload,)
-    saved = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.backends.cudnn.deterministic,
-        torch.backends.cudnn.benchmark,
-    )
     report: dict[str, Any] = {
         **device_facts(device),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
@@ -233,21 +145,18 @@ def run(params: Params, args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "workloads": {},
     }
-    try:
+    with _steptime.modes_restored():
         for name in names:
             if name == "pipeline":
-                setup, batches = _pipeline_workload(params, args, device)
+                setup, batches = _steptime.pipeline_workload(params, args, device)
                 size = {"batch_size": params.data.batch_size, "model": vars(params.model)}
             else:
-                setup, batches = _conv_workload(args, device)
+                setup, batches = _steptime.conv_workload(args, device)
                 size = {
                     k: getattr(args, k) for k in ("batch_size", "image_size", "channels", "width")
                 }
             result = bench_workload(setup, batches, args, device)
             report["workloads"][name] = {"size": size, **result}
-    finally:
-        torch.use_deterministic_algorithms(saved[0])
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1:]
     report["autotune_note"] = (
         "cuDNN autotuning applies to cuDNN kernels on CUDA"
         if device.type == "cuda"

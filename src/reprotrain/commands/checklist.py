@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 import yaml
 
-from reprotrain.pipeline.arguments import stage_arguments
+from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
+from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.stages.env import whole_environment
 from reprotrain.provenance.dvcchecksum import md5_file
@@ -35,6 +36,18 @@ from reprotrain.provenance.environment import HOST_KEY, bit_deciding, git_state
 
 PARAMS: tuple[str, ...] = ()
 Status = Literal["pass", "warn", "fail"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dvc_yaml(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if any item fails")
+
+
+#: Restarts so that the variables it records are the ones the stages run with.
+COMMAND = Command(
+    "reproducibility checklist: pass / warn / fail per item", add_arguments, restarts=True
+)
 
 
 @dataclass(frozen=True)
@@ -51,7 +64,8 @@ def run(_: Params | None, args: argparse.Namespace) -> int:
         print(json.dumps([asdict(item) for item in items], indent=2))
     else:
         print(render_markdown(items), end="")
-    return 1 if args.strict and any(item.status == "fail" for item in items) else 0
+    failed = args.strict and any(item.status == "fail" for item in items)
+    return EXIT_CHECK_FAILED if failed else 0
 
 
 def render_markdown(items: list[Item]) -> str:

@@ -21,11 +21,29 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.commands._rundiff import OPS_FOLDER, compare_runs, find_run, with_op_diff
 from reprotrain.hashing import canonical_json
+from reprotrain.pipeline.command import Command
 
 PARAMS: tuple[str, ...] = ()
-EXIT_DIFFERENT = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("a", help="run A: a folder, a safetensors file or a git revision")
+    parser.add_argument("b", help="run B: a folder, a safetensors file or a git revision")
+    parser.add_argument("--model", help="the weights file inside each folder (any script's)")
+    parser.add_argument("--trace", help="the trace file inside each folder (any script's)")
+    parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    parser.add_argument("--plot", type=Path, help="write a PNG of both losses and their difference")
+    parser.add_argument(
+        "--repo", type=Path, default=Path(), help="repository that revisions refer to"
+    )
+
+
+COMMAND = Command(
+    "compare two runs (folders or git revisions): where and why they differ", add_arguments
+)
 
 
 def run(_: object, args: argparse.Namespace) -> int:
@@ -42,7 +60,7 @@ def run(_: object, args: argparse.Namespace) -> int:
         print(result.to_text())
         if args.plot:
             print(f"loss plot: {args.plot}")
-    return 0 if result.identical else EXIT_DIFFERENT
+    return 0 if result.identical else EXIT_CHECK_FAILED
 
 
 def _recording_of(run: Path) -> Path | None:

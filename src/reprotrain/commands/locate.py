@@ -18,19 +18,34 @@ import argparse
 import dataclasses
 import json
 import warnings
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from reprotrain.compare.modules import locate_divergence
+from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.determinism import configure_determinism
-from reprotrain.pipeline.arguments import stage_arguments
+from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.data import load_prepared
-from reprotrain.pipeline.model import Classifier
+
+if TYPE_CHECKING:  # torch and Lightning load when it runs, not when the CLI reads it
+    import torch
+
+    from reprotrain.pipeline.model import Classifier
 
 PARAMS = ("seed", "deterministic", "data.batch_size", "model", "train")
-EXIT_DIFFERENT = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, help="prepared dataset (default: the train stage's)")
+    add_dvc_yaml(parser)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+COMMAND = Command(
+    "name the module whose output or gradient differs between two equal steps",
+    add_arguments,
+    takes_params=True,
+    restarts=True,
+)
 
 
 def _training_step(module: Any, batch: Any) -> torch.Tensor:
@@ -40,6 +55,12 @@ def _training_step(module: Any, batch: Any) -> torch.Tensor:
 
 
 def run(params: Params, args: argparse.Namespace) -> int:
+    import torch
+
+    from reprotrain.compare.modules import locate_divergence
+    from reprotrain.pipeline.data import load_prepared
+    from reprotrain.pipeline.model import Classifier
+
     configure_determinism(params.seed, params.deterministic, params.cpu.to_profile())
     data = load_prepared(args.data or stage_arguments("train", args.dvc_yaml).data)
     device = torch.device("cuda" if params.train.accelerator == "gpu" else "cpu")
@@ -55,4 +76,4 @@ def run(params: Params, args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(result), sort_keys=True))
     else:
         print(f"reprotrain locate: {result}")
-    return 0 if result.identical else EXIT_DIFFERENT
+    return 0 if result.identical else EXIT_CHECK_FAILED

@@ -27,8 +27,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from reprotrain.atomic import atomic_write_text
 from reprotrain.commands._rerun import Workspace, rerun_workspace, train_fresh
 from reprotrain.commands._rundiff import (
@@ -38,13 +36,26 @@ from reprotrain.commands._rundiff import (
     run_in_folder,
 )
 from reprotrain.hashing import canonical_json, load_safetensors
+from reprotrain.pipeline.command import Command, add_dvc_yaml, add_override_option
 from reprotrain.pipeline.errors import DataError
-from reprotrain.trace.diff import compare_traces
-from reprotrain.trace.tracefile import load_trace
 
 PARAMS: tuple[str, ...] = ()
 #: Mode name in the report -> the ``deterministic`` value the runs train with.
 MODES = {"default": "false", "deterministic": "true"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runs", type=int, default=3, help="same-seed runs per mode (>= 2)")
+    add_dvc_yaml(parser)
+    parser.add_argument("--workdir", type=Path, help="keep the run folders here")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--out", type=Path, help="also write the JSON report to this file")
+    add_override_option(parser, "params override for every run, e.g. -S train.max_epochs=1")
+
+
+COMMAND = Command(
+    "how far same-seed runs drift with determinism off and on", add_arguments, restarts=True
+)
 
 
 def run(_: object, args: argparse.Namespace) -> int:
@@ -63,6 +74,8 @@ def run(_: object, args: argparse.Namespace) -> int:
 
 
 def _noise_floor(args: argparse.Namespace, workspace: Workspace) -> int:
+    import torch  # for its version; the runs themselves train in fresh processes
+
     train_args, workdir, environment, record = workspace
     modes: dict[str, Any] = {}
     for name, value in MODES.items():
@@ -94,6 +107,8 @@ def _device(record: dict[str, Any], overrides: list[str]) -> str:
 
 def _weight_distance(a: Path, b: Path) -> tuple[float, float]:
     """Max |a - b| and ||a - b||_2 over every tensor of two weight files."""
+    import torch
+
     wa, wb = load_safetensors(a)[0], load_safetensors(b)[0]
     if set(wa) != set(wb):
         raise DataError(f"{a} and {b} hold different tensors; were they trained with one config?")
@@ -108,6 +123,9 @@ def _weight_distance(a: Path, b: Path) -> tuple[float, float]:
 
 def measure_mode(folders: list[Path], deterministic: str) -> dict[str, Any]:
     """The per-mode figures (see the module docstring) for runs kept in ``folders``."""
+    from reprotrain.trace.diff import compare_traces  # numpy
+    from reprotrain.trace.tracefile import load_trace
+
     losses = [float(json.loads((f / METRICS).read_text())["train_loss"]) for f in folders]
     first = run_in_folder(folders[0], folders[0].name)
     first_trace = load_trace(folders[0] / FLAT["trace"])

@@ -15,14 +15,27 @@ from __future__ import annotations
 
 import argparse
 
-from reprotrain.ops.align import OpRecordError, compare_recordings
+from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
+from reprotrain.pipeline.command import Command
 from reprotrain.pipeline.errors import DataError
 
 PARAMS: tuple[str, ...] = ()
-EXIT_DIFFERENT = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("a", help="recording A: a file or a folder of ops-rank<R>.safetensors")
+    parser.add_argument("b", help="recording B")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+COMMAND = Command(
+    "name the first op two op recordings (any processes or machines) disagree on", add_arguments
+)
 
 
 def run(_: object, args: argparse.Namespace) -> int:
+    from reprotrain.ops.align import OpRecordError, compare_recordings  # torch
+
     try:
         result = compare_recordings(args.a, args.b)
     except OpRecordError as err:
@@ -31,4 +44,4 @@ def run(_: object, args: argparse.Namespace) -> int:
         print(result.to_json(), end="")
     else:
         print(f"reprotrain opdiff: {result.to_text()}")
-    return 0 if result.identical else EXIT_DIFFERENT
+    return 0 if result.identical else EXIT_CHECK_FAILED

@@ -14,53 +14,46 @@ another device or torch build says nothing about this one.
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reprotrain.atomic import atomic_write_text
 from reprotrain.hashing import canonical_json
-from reprotrain.ops.catalog import CATALOG
-from reprotrain.ops.probes import OpResult, probe_catalog
+from reprotrain.pipeline.command import Command
 from reprotrain.pipeline.errors import DataError
+
+if TYPE_CHECKING:  # torch loads when it probes, not when the CLI reads its options
+    from reprotrain.ops.probes import OpResult
 
 PARAMS: tuple[str, ...] = ()
 
 
-def device_name(device: torch.device) -> str:
-    """The GPU model, or the CPU model from /proc/cpuinfo (the machine's processor name)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), help="device to probe (default: cuda if available)"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="calls per mode and op (>= 2)")
+    parser.add_argument(
+        "--only", action="append", default=[], metavar="NAME", help="probe only these ops"
+    )
+    parser.add_argument("--out-md", type=Path, help="write the markdown table here")
+    parser.add_argument("--out-json", type=Path, help="write the results as JSON here")
 
 
-def device_facts(device: torch.device) -> dict[str, Any]:
-    """What a measurement on ``device`` depends on: model, torch / CUDA / cuDNN, threads."""
-    return {
-        "device": str(device),
-        "device_name": device_name(device),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
-        "threads": torch.get_num_threads(),
-    }
-
-
-def _device(choice: str | None) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise DataError("--device cuda: no CUDA device is visible here; use --device cpu")
-    return torch.device(choice or ("cuda" if torch.cuda.is_available() else "cpu"))
+#: Restarts: deterministic cuBLAS needs its workspace variable from the first handle on.
+COMMAND = Command(
+    "catalog of ops with non-deterministic default paths, measured on this device",
+    add_arguments,
+    restarts=True,
+)
 
 
 def run(_: object, args: argparse.Namespace) -> int:
+    from reprotrain.commands._device import device_facts, pick_device
+    from reprotrain.ops.catalog import CATALOG
+    from reprotrain.ops.probes import probe_catalog
+
     if args.repeats < 2:
         raise DataError(f"--repeats {args.repeats}: need at least 2 calls to compare")
     known = {case.name for case in CATALOG}
@@ -68,7 +61,7 @@ def run(_: object, args: argparse.Namespace) -> int:
     if unknown:
         raise DataError(f"--only {unknown[0]!r}: not in the catalog; one of {sorted(known)}")
     cases = [case for case in CATALOG if not args.only or case.name in args.only]
-    device = _device(args.device)
+    device = pick_device(args.device)
     start = time.perf_counter()
     results = probe_catalog(device, cases, repeats=args.repeats)
     elapsed = time.perf_counter() - start

@@ -19,9 +19,37 @@ from collections.abc import Mapping
 
 from reprotrain.cpuprofile import CpuProfile
 from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS, FIXED_HASH_SEED
+from reprotrain.pipeline.command import Command
 from reprotrain.pipeline.errors import DataError
 
 PARAMS: tuple[str, ...] = ()
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
+    """``-- CMD ARGS`` and the start-up pins: ``reprotrain run``'s, and ``verify -- CMD``'s."""
+    parser.add_argument(
+        "cmd",
+        nargs=argparse.REMAINDER,
+        help=f"the command to {verb}, after `--`; {{out}} in it becomes the run's own folder",
+    )
+    parser.add_argument(
+        "--cpu-profile",
+        choices=("portable", "native"),
+        help="also pin the CPU kernels (docs/cpu-profile.md); default: leave them",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads with --cpu-profile"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_launch_arguments(parser, "run")
+
+
+#: Never restarts itself: it starts CMD with the variables fixed instead.
+COMMAND = Command(
+    "run any command with the hash seed, cuBLAS and CPU pins fixed from its start", add_arguments
+)
 
 
 def launch_variables(profile: str | None = None, threads: int = 1) -> dict[str, str]:

@@ -12,13 +12,26 @@ import argparse
 import json
 
 from reprotrain.determinism import configure_determinism
-from reprotrain.pipeline.arguments import stage_arguments
+from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.stages import train
 from reprotrain.pipeline.stages.env import record_environment
 from reprotrain.provenance.identity import run_id
 
 PARAMS = train.PARAMS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dvc_yaml(parser)
+    parser.add_argument("--json", action="store_true", help="print the inputs as JSON too")
+
+
+COMMAND = Command(
+    "print the run ID the train stage would have now",
+    add_arguments,
+    takes_params=True,
+    restarts=True,
+)
 
 
 def run(params: Params, args: argparse.Namespace) -> int:

@@ -18,15 +18,28 @@ import subprocess
 import sys
 from typing import Any
 
+from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.hashing import canonical_json
-from reprotrain.pipeline.arguments import stage_arguments
+from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.run_record import load_environment
 from reprotrain.pipeline.stages.env import record_environment, stage_params
 from reprotrain.provenance.envdiff import compare_environments
 
 PARAMS: tuple[str, ...] = ()
-EXIT_WOULD_CHANGE = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dvc_yaml(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+#: Restarts so that the record it takes is the one the env stage would write.
+COMMAND = Command(
+    "would `dvc repro` change anything that decides the bits? exit 0 when not",
+    add_arguments,
+    restarts=True,
+)
 
 
 def run(_: object, args: argparse.Namespace) -> int:
@@ -41,7 +54,7 @@ def run(_: object, args: argparse.Namespace) -> int:
         print(f"reprotrain status: dvc repro would change {len(changes)} thing(s) above")
     else:
         print("reprotrain status: up to date; dvc repro would change nothing that decides the bits")
-    return EXIT_WOULD_CHANGE if changes else 0
+    return EXIT_CHECK_FAILED if changes else 0
 
 
 def _environment_changes(recorded_path: Any, here: dict[str, Any]) -> list[Any]:

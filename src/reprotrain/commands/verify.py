@@ -56,7 +56,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from reprotrain.commands._reference import EXIT_RECORD_DIFFERS, changed_paths, classify_changes
+from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED, EXIT_RECORD_DIFFERS
+from reprotrain.commands._reference import changed_paths, classify_changes
 from reprotrain.commands._rerun import Workspace, rerun_workspace, train_fresh
 from reprotrain.commands._rundiff import (
     OPS_FOLDER,
@@ -67,13 +68,14 @@ from reprotrain.commands._rundiff import (
     run_in_folder,
     with_op_diff,
 )
+from reprotrain.commands.run import add_launch_arguments
 from reprotrain.hashing import canonical_json
+from reprotrain.pipeline.command import Command, add_dvc_yaml, add_override_option
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.run_record import load_environment
 from reprotrain.provenance.envdiff import compare_environments
 
 PARAMS: tuple[str, ...] = ()
-EXIT_DIFFERENT = 1
 #: Trace records whose difference, with the same batch, RNG and weights, blames a kernel.
 KERNEL_RECORDS = ("loss", "grads")
 #: Options of ``verify -- CMD`` that the pipeline's own runs refuse (default: not given).
@@ -82,6 +84,61 @@ _SCRIPT_ONLY = {
     "--ops-step": lambda args: args.ops_step != 0,
     "--cpu-profile": lambda args: args.cpu_profile is not None,
 }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runs", type=int, default=2, help="fresh training runs (>= 2)")
+    parser.add_argument(
+        "--world-sizes",
+        metavar="N",
+        type=int,
+        nargs="+",
+        help="one run per world size N (train.devices=N, ddp above 1), instead of --runs: "
+        "with train.world_size_invariant they must be identical",
+    )
+    parser.add_argument("--against", metavar="REV", help="compare a fresh run with REV's outputs")
+    parser.add_argument(
+        "--reference",
+        metavar="REV",
+        nargs="?",
+        const="HEAD",
+        help="one `dvc repro` in a clone of REV (default HEAD): are dvc.lock and reports/ as "
+        "git holds them? Needs no DVC cache",
+    )
+    add_dvc_yaml(parser)
+    parser.add_argument(
+        "--workdir", type=Path, help="keep the run folders here (default: a temporary folder)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the comparisons as JSON")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs trained side by side (default 1: on a small machine they compete for cores)",
+    )
+    add_override_option(parser, "params override for every run, e.g. -S train.accelerator=gpu")
+    add_launch_arguments(parser, "verify")
+    parser.add_argument(
+        "--output",
+        dest="outputs",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="with `-- CMD`: a file the command writes under {out} to compare (default: all)",
+    )
+    parser.add_argument(
+        "--ops-step",
+        type=int,
+        default=0,
+        help="with `-- CMD`: the step to record ops of when no trace names one (default 0)",
+    )
+
+
+COMMAND = Command(
+    "rerun training in fresh processes and check the bits are identical",
+    add_arguments,
+    restarts=True,
+)
 
 
 def run(_: object, args: argparse.Namespace) -> int:
@@ -202,7 +259,7 @@ def _report(results: list[RunComparison], workdir: Path, keep: bool, as_json: bo
     if not as_json:
         verdict = "IDENTICAL" if identical else "NOT REPRODUCIBLE"
         print(f"reprotrain verify: {verdict} ({len(results) + 1} runs)")
-    return 0 if identical else EXIT_DIFFERENT
+    return 0 if identical else EXIT_CHECK_FAILED
 
 
 def check_reference(rev: str, workdir: Path | None) -> int:
@@ -263,7 +320,7 @@ def check_reference(rev: str, workdir: Path | None) -> int:
         else:
             print(result.to_text())
     print(f"reprotrain verify: NOT REPRODUCED: {rev}'s outputs differ here (clone kept: {clone})")
-    return EXIT_DIFFERENT
+    return EXIT_CHECK_FAILED
 
 
 def _share_dvc_cache(repo: Path, clone: Path) -> None:

@@ -26,27 +26,69 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS
 from reprotrain.hashing import canonical_json
-from reprotrain.pipeline.arguments import (
+from reprotrain.pipeline.command import (
     DEFAULT_LOCK,
     DVC_YAML,
     LOCK_VARIABLE,
     STAGES,
+    Command,
     stage_arguments,
 )
 from reprotrain.pipeline.config import Params, load_params
 from reprotrain.pipeline.errors import DataError
-from reprotrain.pipeline.preflight import PlannedOutputs, preflight
 from reprotrain.provenance.environment import HOST_KEY, bit_deciding, capture_environment, git_state
+
+if TYPE_CHECKING:  # numpy, for the raw data: only when the stage checks it
+    from reprotrain.pipeline.preflight import PlannedOutputs
 
 #: The params.yaml keys this stage reads: none.
 PARAMS: tuple[str, ...] = ()
 #: Installed but never in a lock: this project itself (an editable install).
 NOT_LOCKED = ("reprotrain",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument(
+        "--lock",
+        type=Path,
+        help=f"requirements lock the install should match (default: ${LOCK_VARIABLE}, "
+        f"else {DEFAULT_LOCK})",
+    )
+    what.add_argument(
+        "--diff",
+        nargs=2,
+        type=Path,
+        metavar=("A", "B"),
+        help="explain how two environment records differ and which changes void the guarantee",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="write the part that decides the bits here (default: print all)"
+    )
+    parser.add_argument(
+        "--host-out", type=Path, help="with --out: write the informational host facts here"
+    )
+    parser.add_argument(
+        "--raw-dir",
+        type=Path,
+        help="check params.yaml and the raw data in this folder first (what dvc.yaml does), "
+        "so bad input stops `dvc repro` before any output is deleted",
+    )
+    parser.add_argument(
+        "--params",
+        type=Path,
+        help="params file (its CPU profile is part of the record; checked with --raw-dir); "
+        "default params.yaml, or when printing outside a repository, the default params",
+    )
+
+
+#: Restarts: the variables it records must be the ones the stages run with.
+COMMAND = Command("record the environment that decides the bits", add_arguments, restarts=True)
 
 
 def selected_lock(lock: Path | None = None) -> Path:
@@ -103,6 +145,8 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
     record = whole_environment(args.lock, params)
     checked = ""
     if args.raw_dir is not None:
+        from reprotrain.pipeline.preflight import preflight
+
         flags = record[HOST_KEY]["cpu"]["dispatch_flags"]
         checked = f"; {preflight(params, args.raw_dir, record['gpu'], flags, planned_outputs())}"
     if args.out is None:
@@ -117,6 +161,8 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
 
 def planned_outputs(dvc_yaml: Path = DVC_YAML) -> PlannedOutputs | None:
     """The later stages' outputs as ``dvc_yaml`` names them; None outside a pipeline."""
+    from reprotrain.pipeline.preflight import PlannedOutputs
+
     if not dvc_yaml.is_file():
         return None
     prepare, train, evaluate = (stage_arguments(s, dvc_yaml) for s in STAGES[1:])

@@ -14,26 +14,45 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-
-import torch
-from safetensors import SafetensorError
-from torch.nn import functional as F
+from typing import TYPE_CHECKING
 
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import DeterminismError
 from reprotrain.hashing import canonical_json, load_safetensors
+from reprotrain.pipeline.command import Command, add_paths
 from reprotrain.pipeline.config import Params, parse_params
-from reprotrain.pipeline.data import load_prepared
 from reprotrain.pipeline.errors import DataError
-from reprotrain.pipeline.model import build_network
 from reprotrain.provenance.dvcchecksum import verify_dvc_checksum
+
+if TYPE_CHECKING:  # torch loads when the stage runs, not when the CLI reads its options
+    import torch
 
 #: The params.yaml keys this stage reads: none, the model file carries them.
 PARAMS: tuple[str, ...] = ()
 _CHUNK = 1024
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    required = {
+        "data": "prepared dataset file",
+        "model": "trained weights",
+        "metrics": "test metrics JSON",
+        "plots": "folder for confusion CSV",
+    }
+    add_paths(parser, required, required=True)
+    add_paths(parser, {"dvc-lock": "verify --data and --model against it"}, required=False)
+
+
+#: Restarts under the CPU profile the weights were trained with (the CLI reads it from them).
+COMMAND = Command("score the test split", add_arguments, restarts=True)
+
+
 def run(_: Params | None, args: argparse.Namespace) -> str:
+    import torch
+    from torch.nn import functional as F
+
+    from reprotrain.pipeline.data import load_prepared
+
     if args.dvc_lock:
         for path in (args.data, args.model):
             if not path.is_file():
@@ -65,6 +84,10 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
 
 def load_network(path: Path) -> tuple[torch.nn.Module, Params]:
     """The network rebuilt from a weights file (no pickle), in eval mode, and its params."""
+    from safetensors import SafetensorError
+
+    from reprotrain.pipeline.model import build_network
+
     try:
         weights, meta = load_safetensors(path)
         params = parse_params(meta["params"], source=f"{path} metadata")

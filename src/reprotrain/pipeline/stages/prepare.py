@@ -10,19 +10,34 @@ data, ``seed`` and the two fractions.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
+from reprotrain.pipeline.command import Command, add_paths
 from reprotrain.pipeline.config import DataConfig, Params
-from reprotrain.pipeline.data import SPLITS, PreparedData, save_prepared
-from reprotrain.pipeline.rawdata import load_raw, split_sizes
+
+if TYPE_CHECKING:  # numpy and torch load when the stage runs, not when the CLI reads it
+    import numpy as np
+
+    from reprotrain.pipeline.data import PreparedData
 
 #: The params.yaml keys this stage reads; dvc.yaml lists exactly these.
 PARAMS = ("seed", "data.source", "data.val_fraction", "data.test_fraction")
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    paths = {"raw-dir": "folder of user raw data", "out": "prepared dataset file to write"}
+    add_paths(parser, paths, required=True)
+
+
+COMMAND = Command(
+    "materialise and split the dataset", add_arguments, takes_params=True, restarts=True
+)
+
+
 def run(params: Params, args: argparse.Namespace) -> str:
+    from reprotrain.pipeline.data import SPLITS, save_prepared
+    from reprotrain.pipeline.rawdata import load_raw
+
     x, y, source = load_raw(params.data.source, args.raw_dir)
     prepared = split(x, y, params.data, params.seed, source)
     save_prepared(args.out, prepared)
@@ -32,6 +47,12 @@ def run(params: Params, args: argparse.Namespace) -> str:
 
 def split(x: np.ndarray, y: np.ndarray, data: DataConfig, seed: int, source: str) -> PreparedData:
     """Seeded train / val / test split; every split must be non-empty."""
+    import numpy as np
+    import torch
+
+    from reprotrain.pipeline.data import SPLITS, PreparedData
+    from reprotrain.pipeline.rawdata import split_sizes
+
     _, n_val, n_test = split_sizes(len(y), data, source)
     order = np.random.default_rng(seed).permutation(len(y))
     parts = {"test": order[:n_test], "val": order[n_test : n_test + n_val]}

@@ -1,0 +1,162 @@
+"""The timed part of ``reprotrain bench``: workloads, modes, step times (imports torch).
+
+:mod:`reprotrain.commands.bench` states what is measured and reports it; this
+module sets a mode's flags in place (they are process-global), builds the two
+workloads from the same initial weights and batches for every mode, and times
+steps: forward, backward and the optimizer, with CUDA synchronised around each
+so a step's time is its own. Warm-up steps absorb cuDNN's autotuning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from reprotrain.commands._rerun import ensure_prepared
+from reprotrain.pipeline.command import stage_arguments
+from reprotrain.pipeline.config import Params
+from reprotrain.pipeline.data import load_prepared
+from reprotrain.pipeline.model import Classifier
+
+#: Mode -> (deterministic algorithms and cudnn.deterministic, cudnn.benchmark).
+MODES = {
+    "deterministic": (True, False),
+    "default": (False, True),
+    "default_no_autotune": (False, False),
+}
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+Setup = Callable[[], tuple[nn.Module, torch.optim.Optimizer]]
+
+
+def set_mode(mode: str) -> None:
+    deterministic, benchmark = MODES[mode]
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = benchmark
+
+
+@contextlib.contextmanager
+def modes_restored() -> Iterator[None]:
+    """Put the determinism flags back as they were, whatever mode the runs left."""
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1:]
+
+
+class SpatialMean(nn.Module):
+    """Global average pooling as a mean (adaptive pooling's CUDA backward has no
+    deterministic kernel; a mean's backward is a broadcast)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=(2, 3))
+
+
+def conv_network(channels: int, width: int, classes: int = 10) -> nn.Module:
+    layers: list[nn.Module] = []
+    widths = [channels, width, 2 * width, 4 * width, 4 * width]
+    for i, (c_in, c_out) in enumerate(itertools.pairwise(widths)):
+        stride = 2 if i in (1, 2) else 1
+        layers += [nn.Conv2d(c_in, c_out, 3, stride, 1), nn.BatchNorm2d(c_out), nn.ReLU()]
+    return nn.Sequential(*layers, SpatialMean(), nn.Linear(widths[-1], classes))
+
+
+def conv_workload(args: argparse.Namespace, device: torch.device) -> tuple[Setup, Batches]:
+    g = torch.Generator().manual_seed(0)
+    shape = (args.batch_size, args.channels, args.image_size, args.image_size)
+    batches = [
+        (
+            torch.randn(shape, generator=g).to(device),
+            torch.randint(0, 10, shape[:1], generator=g).to(device),
+        )
+        for _ in range(4)
+    ]
+
+    def setup() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        net = conv_network(args.channels, args.width).to(device)
+        return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+    return setup, batches
+
+
+def pipeline_workload(
+    params: Params, args: argparse.Namespace, device: torch.device
+) -> tuple[Setup, Batches]:
+    path = args.data
+    if path is None:
+        path = stage_arguments("train", args.dvc_yaml).data
+        ensure_prepared(path, "bench")
+    data = load_prepared(path)
+    x, y = data.split("train")
+    size = params.data.batch_size
+    batches = [
+        (x[i : i + size].to(device), y[i : i + size].to(device)) for i in range(0, size * 4, size)
+    ]
+
+    def setup() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(params.seed)
+        module = Classifier(params.model, params.train, data.input_shape, data.num_classes)
+        module = module.to(device)
+        return module, module.configure_optimizers()
+
+    return setup, batches
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_run(
+    setup: Setup, batches: Batches, steps: int, warmup: int, device: torch.device
+) -> float:
+    """Median seconds per training step (forward, backward, optimizer) of one fresh run."""
+    model, optimizer = setup()
+    model.train()
+    times = []
+    for step in range(warmup + steps):
+        x, y = batches[step % len(batches)]
+        _sync(device)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        _sync(device)
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def paired_step_times(
+    setup: Setup, batches: Batches, args: argparse.Namespace, device: torch.device
+) -> dict[str, list[float]]:
+    """Each repeat's median step time per mode, the modes' order alternating between repeats.
+
+    A mode that cannot run raises the RuntimeError with the mode's name in front.
+    """
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for repeat in range(args.repeats):
+        order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
+        for mode in order:
+            set_mode(mode)
+            try:
+                times[mode].append(time_run(setup, batches, args.steps, args.warmup, device))
+            except RuntimeError as err:
+                raise RuntimeError(f"{mode} mode: {err}") from err
+    return times

@@ -1,0 +1,110 @@
+"""What a ``reprotrain`` verb declares, and a stage's command line read back from ``dvc.yaml``.
+
+Every verb module (a stage in :mod:`reprotrain.pipeline.stages` or a command
+in :mod:`reprotrain.commands`) defines ``add_arguments(parser)`` and
+``COMMAND = Command(...)`` beside its ``PARAMS`` and ``run``; the CLI imports
+each one to build its parser, so a verb module imports nothing heavier than
+PyYAML at module level (torch and Lightning take seconds; tests/test_cli.py
+checks every ``--help``). :func:`stage_arguments` parses a stage's command line
+as ``dvc.yaml`` writes it with that stage's own ``add_arguments``: ``run-id``,
+``checklist``, ``verify`` and ``compare`` look at the files the pipeline uses,
+and ``dvc.yaml`` stays the one place where paths are written down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+import yaml
+
+from reprotrain.pipeline.errors import DataError
+
+#: Names the lock the env stage checks when ``--lock`` is not given; the Dockerfile sets it.
+LOCK_VARIABLE = "REPROTRAIN_LOCK"
+DEFAULT_LOCK = Path("requirements-cpu.lock")
+DVC_YAML = Path("dvc.yaml")
+#: The dvc.yaml stages in pipeline order, one module each in reprotrain.pipeline.stages.
+STAGES = ("env", "prepare", "train", "evaluate")
+
+AddArguments = Callable[[argparse.ArgumentParser], None]
+
+
+@dataclass(frozen=True)
+class Command:
+    """One verb: its one-line summary and options, as the CLI shows and parses them."""
+
+    summary: str
+    #: Declares the verb's own options on its sub-parser.
+    add_arguments: AddArguments
+    #: Reads params.yaml (the module's ``PARAMS`` is not empty): gets --params/--seed/-S.
+    takes_params: bool = False
+    #: Trains or configures determinism: the CLI restarts the interpreter first, with
+    #: PYTHONHASHSEED and the CPU profile's variables fixed, before torch is imported.
+    restarts: bool = False
+
+
+def add_override_option(parser: argparse.ArgumentParser, example: str) -> None:
+    """``-S KEY=VALUE`` (repeatable, as in ``dvc exp run -S``) into ``args.overrides``."""
+    parser.add_argument(
+        "-S",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=example,
+    )
+
+
+def add_paths(parser: argparse.ArgumentParser, spec: dict[str, str], required: bool) -> None:
+    """One ``--NAME PATH`` option per entry of ``spec`` (name -> help)."""
+    for name, help_text in spec.items():
+        parser.add_argument(f"--{name}", type=Path, required=required, help=help_text)
+
+
+def add_dvc_yaml(parser: argparse.ArgumentParser) -> None:
+    """``--dvc-yaml``: the pipeline file whose stage command lines say where the files are."""
+    parser.add_argument("--dvc-yaml", type=Path, default=DVC_YAML, help="pipeline file")
+
+
+class _StageParser(argparse.ArgumentParser):
+    """Parses a ``dvc.yaml`` stage command; a bad one is a :class:`DataError`, not an exit."""
+
+    def __init__(self, stage: str, dvc_yaml: Path) -> None:
+        super().__init__(prog=f"reprotrain {stage}", add_help=False)
+        self.where = f"{dvc_yaml}: stage {stage!r}"
+
+    def error(self, message: str) -> NoReturn:
+        raise DataError(f"{self.where}: {message}; fix its cmd")
+
+
+def stage_command(stage: str, dvc_yaml: Path) -> list[str]:
+    """The stage's command line from ``dvc_yaml``, split like a shell would."""
+    try:
+        cmd = yaml.safe_load(dvc_yaml.read_text())["stages"][stage]["cmd"]
+    except FileNotFoundError:
+        raise DataError(f"{dvc_yaml}: not found; run from the repository root") from None
+    except (KeyError, TypeError):
+        raise DataError(f"{dvc_yaml}: no stage {stage!r} with a cmd") from None
+    argv = shlex.split(cmd)
+    if argv[:2] != ["reprotrain", stage]:
+        raise DataError(f"{dvc_yaml}: stage {stage!r} does not run `reprotrain {stage}`")
+    return argv
+
+
+def stage_arguments(stage: str, dvc_yaml: Path) -> argparse.Namespace:
+    """The options of ``reprotrain <stage> ...`` as written in ``dvc_yaml``, parsed.
+
+    The stage module is imported by name: it is light (see above), and an
+    import statement here would put every stage in each stage's code hash.
+    """
+    parser = _StageParser(stage, dvc_yaml)
+    module = importlib.import_module(f"reprotrain.pipeline.stages.{stage}")
+    module.add_arguments(parser)
+    return parser.parse_args(stage_command(stage, dvc_yaml)[2:])

@@ -1,0 +1,327 @@
+"""The train stage's Lightning machinery: fit, resume point, outputs.
+
+:mod:`reprotrain.pipeline.stages.train` reads top to bottom and imports this
+module when it runs, so the CLI can read the stage's options without
+Lightning. It is part of the stage: the run ID's code hash covers it (it is
+in the stage's import closure, :func:`reprotrain.provenance.identity.source_files`).
+
+:func:`fit` builds the model and data module from ``params`` and fits them,
+checkpointing with the full random state when asked (:class:`Checkpointing`);
+Ctrl-C and SIGTERM stop it after the batch on every rank, keeping the last
+checkpoint. :func:`write_outputs` writes the weights, metrics and curves
+atomically, with nothing in them that is not decided by the training (no time,
+path, host name or logger version folder).
+
+The op recorder (:class:`reprotrain.ops.recorder.OpRecorder`) is attached
+only when a recording is asked for (``REPROTRAIN_RECORD_OPS``, which
+``reprotrain verify`` sets), and is loaded by name: it observes the ops and
+never decides the bits, so it stays out of the stage's import closure and
+its code hash (tests/test_oprecord.py shows a recorded run's weights equal an
+unrecorded run's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import logging
+import os
+import signal
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from reprotrain.atomic import atomic_write_safetensors, atomic_write_text
+from reprotrain.determinism import DeterminismSettings, explain_nondeterministic_error
+from reprotrain.distributed.ddp import RankAgreement, ddp_strategy
+from reprotrain.distributed.worldsize import WorldSizeInvariantStrategy
+from reprotrain.hashing import canonical_json, safetensors_metadata
+from reprotrain.pipeline.config import Params
+from reprotrain.pipeline.curves import CurveCheckpoint, MemoryLogger
+from reprotrain.pipeline.data import PreparedData, PreparedDataModule
+from reprotrain.pipeline.errors import Interrupted
+from reprotrain.pipeline.model import Classifier
+from reprotrain.pipeline.preflight import check_accelerator
+from reprotrain.resume import (
+    CheckpointError,
+    InterruptCheckpoint,
+    RandomStateCallback,
+    VerifiedCheckpointIO,
+    checkpoint_run_id,
+    latest_checkpoint,
+)
+
+#: Names the optimizer steps to record ("3" or "3-5"); the recorder's WINDOW_VARIABLE.
+RECORD_OPS_VARIABLE = "REPROTRAIN_RECORD_OPS"
+#: Loaded by name only when asked for, so no import statement puts it in the code hash.
+RECORDER_MODULE = "reprotrain.ops.recorder"
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Where :func:`fit` checkpoints, for which run, and what it resumes from."""
+
+    #: A verified checkpoint is written here every ``train.checkpoint_every_n_epochs`` epochs.
+    directory: Path
+    #: The run ID the checkpoints are written for (and that DDP ranks must agree on).
+    run_id: str
+    #: This run's checkpoint to continue from (:func:`find_resume_point`), if any.
+    resume_from: Path | None = None
+    #: The random state rides along; False only for the negative control (resume then
+    #: differs) and the overhead benchmark.
+    random_state: bool = True
+
+
+def find_resume_point(run_dir: Path, identity: str) -> Path | None:
+    """This run's newest verified checkpoint; refuses tampered files and other runs' files."""
+    if not run_dir.is_dir():
+        return None
+    newest = latest_checkpoint(run_dir)
+    if newest is None:
+        return None
+    owner = checkpoint_run_id(newest)
+    if owner != identity:
+        raise CheckpointError(
+            f"{newest}: written for run {str(owner)[:12]}, not this run {identity[:12]}: "
+            "its params, data, code or environment differ, so resuming would mix two runs; "
+            "delete it to start over"
+        )
+    return newest
+
+
+def fit(
+    params: Params,
+    data: PreparedData,
+    settings: DeterminismSettings,
+    checkpointing: Checkpointing | None = None,
+    callbacks: Sequence[L.Callback] = (),
+) -> tuple[Classifier, MemoryLogger]:
+    """Build the model and data module from ``params`` and fit them with Lightning.
+
+    With ``checkpointing``, a verified checkpoint is written at the end of
+    every ``train.checkpoint_every_n_epochs``-th epoch (the newest one kept),
+    and its ``resume_from`` continues from one. ``callbacks`` run after the
+    rank check and before the checkpoint callbacks: the stage's
+    :class:`~reprotrain.trace.callback.TraceCallback` (its rows are
+    checkpointed too), or a measurement (``benchmarks/``). Under DDP the
+    ranks must agree on the run ID and resume point before the first step.
+    """
+    cfg = params.train
+    check_accelerator(params)
+    ddp = cfg.strategy == "ddp"
+    invariant = cfg.world_size_invariant
+    module = Classifier(params.model, cfg, data.input_shape, data.num_classes)
+    datamodule = PreparedDataModule(
+        data,
+        batch_size=params.data.batch_size,
+        num_workers=params.data.num_workers,
+        augment=params.data.augment,
+        seed=params.seed,
+        shard=ddp and not invariant,
+        micro_batch_size=cfg.micro_batch_size if invariant else None,
+    )
+    strategy, accumulate = _strategy(params)
+    logger = MemoryLogger()
+    resume_from = checkpointing.resume_from if checkpointing else None
+    chosen: list[L.Callback] = _op_recorder()
+    if ddp or invariant:
+        identity = checkpointing.run_id if checkpointing else None
+        facts = {"run_id": identity, "resume_from": resume_from and resume_from.name}
+        chosen.append(RankAgreement(facts, mode=settings.mode))
+    chosen += callbacks
+    if checkpointing is not None:
+        every = cfg.checkpoint_every_n_epochs
+        chosen += _checkpoint_callbacks(every, checkpointing, datamodule, logger)
+    # Lightning 2.6 trips over its own use of a deprecated torch pytree API on every fit,
+    # and warns about the (expected) earlier checkpoints when a run resumes.
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    # Validation covers the whole split on every rank (see data.py): nothing to all-reduce.
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val_")
+    interactive = sys.stderr.isatty() and not os.environ.get("CI")
+    if not interactive:
+        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    trainer = L.Trainer(
+        accelerator=cfg.accelerator,
+        strategy=strategy,
+        accumulate_grad_batches=accumulate,
+        devices=cfg.devices,
+        num_nodes=cfg.num_nodes,
+        use_distributed_sampler=False,  # the data module shards with a seeded sampler
+        precision=cfg.precision,
+        max_epochs=cfg.max_epochs,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=chosen,
+        plugins=[VerifiedCheckpointIO()],
+        enable_checkpointing=checkpointing is not None,
+        enable_model_summary=False,
+        enable_progress_bar=interactive,
+        num_sanity_val_steps=0,
+        **settings.trainer_flags(),
+    )
+    try:
+        with _sigint_as_sigterm() as got:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    except (SIGTERMException, RuntimeError) as err:
+        # Lightning stops at the end of a batch after SIGTERM (SIGTERMException), or the
+        # DataLoader-worker error comes first when the signal reached the workers too.
+        if trainer.received_sigterm:
+            _ignore_dead_loader_workers()
+            directory = checkpointing.directory if checkpointing else None
+            raise Interrupted(_interrupted(directory, got["signal"])) from None
+        explained = explain_nondeterministic_error(err)  # type: ignore[arg-type]
+        if explained is None:
+            raise
+        raise explained from None
+    return module, logger
+
+
+def _op_recorder() -> list[L.Callback]:
+    """``[OpRecorder()]`` when ``REPROTRAIN_RECORD_OPS`` asks for a recording, else ``[]``.
+
+    Imported by name: the recorder observes and never decides the bits, so it
+    must not be in the stage's code hash, where an import statement would put
+    it (``source_files`` follows every ``import``, inside functions too).
+    """
+    if not os.environ.get(RECORD_OPS_VARIABLE):
+        return []
+    return [importlib.import_module(RECORDER_MODULE).OpRecorder()]
+
+
+def _checkpoint_callbacks(
+    every_n_epochs: int,
+    checkpointing: Checkpointing,
+    datamodule: PreparedDataModule,
+    logger: MemoryLogger,
+) -> list[L.Callback]:
+    """Verified checkpoints with the random state and the curves so far, and one on Ctrl-C."""
+    generators = {"train_loader": datamodule.train_generator}
+    random_state = checkpointing.random_state
+    return [
+        RandomStateCallback(generators, run_id=checkpointing.run_id, restore=random_state),
+        CurveCheckpoint(logger),
+        ModelCheckpoint(
+            dirpath=checkpointing.directory,
+            filename="epoch={epoch}",
+            auto_insert_metric_name=False,
+            save_top_k=1,
+            every_n_epochs=every_n_epochs,
+            enable_version_counter=False,
+        ),
+        InterruptCheckpoint(checkpointing.directory),
+    ]
+
+
+def _strategy(params: Params) -> tuple[Strategy | str, int]:
+    """Lightning's strategy for ``train.strategy`` (and the mode), and its accumulation."""
+    cfg = params.train
+    if cfg.world_size_invariant:
+        micro_batches = params.data.batch_size // cfg.micro_batch_size
+        invariant = WorldSizeInvariantStrategy(micro_batches, params.seed, cfg.accelerator)
+        return invariant, invariant.micro_batches_per_rank(cfg.devices * cfg.num_nodes)
+    return (ddp_strategy(cfg.accelerator) if cfg.strategy == "ddp" else "auto"), 1
+
+
+def _ignore_dead_loader_workers() -> None:
+    """Keep the error line last: a DataLoader iterator whose workers the signal killed
+    fails to shut them down when it is collected at exit ("Exception ignored in ...
+    _MultiProcessingDataLoaderIter.__del__"); only that report is dropped."""
+    default = sys.unraisablehook
+
+    def hook(report: sys.UnraisableHookArgs) -> None:
+        if "DataLoaderIter.__del__" not in getattr(report.object, "__qualname__", ""):
+            default(report)
+
+    sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def _sigint_as_sigterm() -> Iterator[dict[str, str]]:
+    """Ctrl-C takes Lightning's SIGTERM path: stop after the batch, on every rank.
+
+    A KeyboardInterrupt can land anywhere, even in a finaliser where Python
+    ignores it (seen: training then finished with exit 0); a flag checked at
+    batch end cannot be lost. Yields which signal arrived.
+    """
+    got = {"signal": "SIGTERM"}
+
+    def forward(signum: int, frame: object) -> None:
+        got["signal"] = "SIGINT"
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGINT, forward)
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted(checkpoint_dir: Path | None, name: str) -> str:
+    kept = None
+    if checkpoint_dir is not None and checkpoint_dir.is_dir():
+        kept = latest_checkpoint(checkpoint_dir)
+    where = (
+        f"its last checkpoint, {kept.name}, is kept" if kept else "no checkpoint was written yet"
+    )
+    return (
+        f"training interrupted ({name}); {where}: rerun the same "
+        "command or `dvc repro` to resume, with the same bits as an uninterrupted run"
+    )
+
+
+def write_outputs(
+    args: argparse.Namespace,
+    params: Params,
+    data: PreparedData,
+    settings: DeterminismSettings,
+    module: Classifier,
+    logger: MemoryLogger,
+) -> dict[str, Path]:
+    """Weights (with the params and determinism in force), metrics and curve CSVs, atomically."""
+    weights = {name: t.detach().cpu().contiguous() for name, t in module.net.state_dict().items()}
+    if params.train.world_size_invariant:
+        # The layout did not decide these weights: record it as one process, so the file is
+        # the same at any world size (run.json's inputs name the mode).
+        one = dataclasses.replace(params.train, devices=1, num_nodes=1, strategy="single_device")
+        params = dataclasses.replace(params, train=one)
+    metadata = safetensors_metadata(
+        {
+            "params": dataclasses.asdict(params),
+            "input_shape": list(data.input_shape),
+            "num_classes": data.num_classes,
+            "determinism": settings.as_dict(),
+        }
+    )
+    val_loss, val_acc = logger.rows("val_loss"), logger.rows("val_acc")
+    train_loss = logger.rows("train_loss")
+    metrics = {
+        "epochs": len(val_loss),
+        "steps": len(train_loss),
+        "train_loss": train_loss[-1][1],
+        "val_loss": val_loss[-1][1],
+        "val_acc": val_acc[-1][1],
+    }
+    atomic_write_safetensors(args.model, weights, metadata)
+    atomic_write_text(args.metrics, canonical_json(metrics))
+    atomic_write_text(args.plots / "train_loss.csv", _csv(("step", "train_loss"), train_loss))
+    val_rows = [
+        (epoch, loss, acc)
+        for epoch, ((_, loss), (_, acc)) in enumerate(zip(val_loss, val_acc, strict=True))
+    ]
+    atomic_write_text(args.plots / "val.csv", _csv(("epoch", "val_loss", "val_acc"), val_rows))
+    return {"model": args.model, "metrics": args.metrics}
+
+
+def _csv(header: tuple[str, ...], rows: list[tuple[float, ...]]) -> str:
+    lines = [",".join(header)] + [",".join(repr(v) for v in row) for row in rows]
+    return "\n".join(lines) + "\n"
