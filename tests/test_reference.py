@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from reprotrain.commands._exit_codes import EXIT_RECORD_DIFFERS
-from reprotrain.commands._reference import changed_paths, classify_changes
+from reprotrain.commands._git import changed_paths
+from reprotrain.commands._reference import classify_changes
 from tests.helpers import ROOT, commit_all, run_checked, run_cli
 
 REFERENCE_FILES = (

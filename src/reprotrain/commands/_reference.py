@@ -21,15 +21,14 @@ outputs (exit 1, naming them). No torch import.
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from reprotrain.commands._git import git_show
 from reprotrain.pipeline.command import stage_arguments
-from reprotrain.pipeline.errors import DataError
 from reprotrain.provenance.envdiff import EnvDiff, InputDiff, compare_environments, compare_inputs
 
 
@@ -65,33 +64,12 @@ class ReferenceChanges:
         return lines
 
 
-def _git_show(clone: Path, rev: str, path: str) -> bytes | None:
-    shown = subprocess.run(
-        ["git", "show", f"{rev}:./{path}"], cwd=clone, capture_output=True, check=False
-    )
-    return shown.stdout if shown.returncode == 0 else None
-
-
 def _json(data: bytes | None) -> dict[str, Any]:
     try:
         value = json.loads(data) if data is not None else {}
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def changed_paths(clone: Path) -> list[str]:
-    """Paths ``git status`` reports changed or new in ``clone`` (one per file)."""
-    done = subprocess.run(
-        ["git", "status", "--porcelain", "-z", "--untracked-files=all"],
-        cwd=clone,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise DataError(f"git status in {clone}: {done.stderr.strip() or 'failed'}")
-    return sorted({entry[3:] for entry in done.stdout.split("\0") if len(entry) > 3})
 
 
 def _lock_outs(data: bytes | None, skip: set[str]) -> dict[str, Any]:
@@ -130,7 +108,7 @@ def classify_changes(clone: Path, rev: str, changed: list[str]) -> ReferenceChan
     records = {env_path, run_path}
     found = ReferenceChanges()
     for path in changed:
-        committed = _git_show(clone, rev, path)
+        committed = git_show(clone, rev, path)
         fresh_file = clone / path
         fresh = fresh_file.read_bytes() if fresh_file.is_file() else None
         if path == env_path:

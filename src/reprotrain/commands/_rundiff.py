@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reprotrain.atomic import atomic_path
+from reprotrain.commands._git import git_show, is_revision
 from reprotrain.hashing import sha256_file
 from reprotrain.pipeline.command import stage_arguments
 from reprotrain.pipeline.errors import DataError
@@ -104,24 +104,16 @@ def run_in_folder(folder: Path, label: str | None = None) -> RunFiles:
     )
 
 
-def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(["git", *args], cwd=repo, capture_output=True, check=False)
-
-
-def is_revision(repo: Path, rev: str) -> bool:
-    return _git(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").returncode == 0
-
-
 def run_at_revision(repo: Path, rev: str, scratch: Path) -> RunFiles:
     """Copy the run committed at ``rev`` into ``scratch`` (flat layout) and describe it."""
     import dvc.api
     from dvc.exceptions import DvcException
 
-    shown = _git(repo, "show", f"{rev}:dvc.yaml")
-    if shown.returncode != 0:
+    shown = git_show(repo, rev, "dvc.yaml")
+    if shown is None:
         raise DataError(f"{rev}: no dvc.yaml at this revision of {repo}")
     scratch.mkdir(parents=True, exist_ok=True)
-    (scratch / "dvc.yaml").write_bytes(shown.stdout)
+    (scratch / "dvc.yaml").write_bytes(shown)
     layout = train_outputs(scratch / "dvc.yaml")
     (scratch / "dvc.yaml").unlink()
     found: dict[str, Path] = {}

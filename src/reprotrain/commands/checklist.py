@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +26,7 @@ from typing import Any, Literal
 import yaml
 
 from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
+from reprotrain.commands._git import git_show, tracked_dvc_files
 from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.stages.env import whole_environment
@@ -89,16 +89,10 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _committed_json(path: Path) -> dict[str, Any] | None:
+    committed = git_show(Path.cwd(), "HEAD", path.as_posix())
     try:
-        text = subprocess.run(
-            ["git", "show", f"HEAD:./{path.as_posix()}"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout
-        value = json.loads(text)
-    except (OSError, subprocess.SubprocessError, ValueError):
+        value = json.loads(committed) if committed is not None else None
+    except ValueError:
         return None
     return value if isinstance(value, dict) else None
 
@@ -141,22 +135,6 @@ def _code_items(run_record_path: Path, exclude: tuple[str, ...]) -> list[Item]:
     return [clean, recorded]
 
 
-def _tracked_dvc_files(root: Path) -> list[Path]:
-    """``.dvc`` files (from ``dvc add``) known to git under ``root``."""
-    try:
-        listed = subprocess.run(
-            ["git", "ls-files", "-z", "--", "*.dvc"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [root / name for name in listed.split("\0") if name]
-
-
 def _data_item(dvc_lock: Path) -> Item:
     if not dvc_lock.is_file():
         return Item("data", "checksums match dvc.lock", "fail", f"{dvc_lock} not found")
@@ -166,7 +144,7 @@ def _data_item(dvc_lock: Path) -> Item:
         for stage in (yaml.safe_load(dvc_lock.read_text()) or {}).get("stages", {}).values()
         for out in stage.get("outs", [])
     ]
-    for sidecar in _tracked_dvc_files(root):
+    for sidecar in tracked_dvc_files(root):
         for out in (yaml.safe_load(sidecar.read_text()) or {}).get("outs", []):
             records.append({**out, "path": str((sidecar.parent / out["path"]).relative_to(root))})
     bad, missing = [], []

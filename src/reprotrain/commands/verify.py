@@ -57,7 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED, EXIT_RECORD_DIFFERS
-from reprotrain.commands._reference import changed_paths, classify_changes
+from reprotrain.commands._git import changed_paths, git, share_dvc_cache
+from reprotrain.commands._reference import classify_changes
 from reprotrain.commands._rerun import Workspace, rerun_workspace, train_fresh
 from reprotrain.commands._rundiff import (
     OPS_FOLDER,
@@ -268,12 +269,12 @@ def check_reference(rev: str, workdir: Path | None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="reprotrain-reference-", dir=workdir))
     clone = scratch / "repo"
     try:
-        _git("clone", "-q", "--no-checkout", str(repo), str(clone), cwd=repo)
-        _git("checkout", "-q", rev, cwd=clone)
+        git(repo, "clone", "-q", "--no-checkout", str(repo), str(clone))
+        git(clone, "checkout", "-q", rev)
     except DataError:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    _share_dvc_cache(repo, clone)
+    share_dvc_cache(repo, clone)
     print(f"reprotrain verify: dvc repro in a clone of {rev} ({clone})", flush=True)
     repro = subprocess.run(
         [sys.executable, "-m", "dvc", "repro", "--no-run-cache"],
@@ -323,23 +324,6 @@ def check_reference(rev: str, workdir: Path | None) -> int:
     return EXIT_CHECK_FAILED
 
 
-def _share_dvc_cache(repo: Path, clone: Path) -> None:
-    """Check out the clone's ``dvc add``-ed inputs from this repository's DVC cache.
-
-    Only the targets of ``.dvc`` files: the stages' outputs must still be made
-    by the clone's own ``dvc repro`` (which runs with ``--no-run-cache``, so no
-    stage is restored from an earlier run either). What the cache lacks stays
-    missing, and the repro's error says so.
-    """
-    cache = repo / ".dvc" / "cache"
-    added = _git("ls-files", "*.dvc", cwd=clone).split()
-    if not cache.is_dir() or not added:
-        return
-    dvc = [sys.executable, "-m", "dvc"]
-    for argv in (["cache", "dir", "--local", str(cache)], ["checkout", "--quiet", *added]):
-        subprocess.run([*dvc, *argv], cwd=clone, capture_output=True, check=False)
-
-
 def _repro_failure(repro: subprocess.CompletedProcess[str], repo: Path) -> str:
     """DVC's own error lines, and what to do when a DVC-tracked input is in no cache or remote."""
     lines = f"{repro.stderr}\n{repro.stdout}".strip().splitlines()
@@ -353,10 +337,3 @@ def _repro_failure(repro: subprocess.CompletedProcess[str], repo: Path) -> str:
         f"remote has it: run `dvc pull` in {repo} (set a remote first with `dvc remote add -d "
         "NAME URL`), or restore the file and `dvc add` it, then rerun"
     )
-
-
-def _git(*args: str, cwd: Path) -> str:
-    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise DataError(f"git {' '.join(args)}: {done.stderr.strip() or 'failed'}")
-    return done.stdout
