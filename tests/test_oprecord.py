@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -102,6 +103,23 @@ def test_under_torch_compile_dynamo_does_not_trace_the_recorder(tmp_path: Path) 
     # The mode is popped while its handler runs; unguarded, Dynamo compiled ~20 graphs here.
     assert counters["stats"]["unique_graphs"] == graphs
     assert len(load_safetensors(tmp_path / "ops-rank0.safetensors")[0]["ops"]) > 10
+
+
+def test_reading_recordings_imports_no_lightning_and_no_dynamo() -> None:
+    code = (
+        "import sys, {module}; "
+        "print(sorted(m for m in ('lightning', 'torch._dynamo') if m in sys.modules))"
+    )
+    seen = {}
+    for module in ("reprotrain.ops.align", "reprotrain.ops.recorder"):
+        done = subprocess.run(
+            [sys.executable, "-c", code.format(module=module)],
+            capture_output=True, text=True, check=True, cwd=ROOT,
+        )  # fmt: skip
+        seen[module] = done.stdout.strip()
+    assert seen["reprotrain.ops.align"] == "[]"
+    # Negative control: the recorder, a Lightning callback, does load both.
+    assert seen["reprotrain.ops.recorder"] == "['lightning', 'torch._dynamo']"
 
 
 def test_recordings_of_different_models_are_refused(tmp_path: Path) -> None:

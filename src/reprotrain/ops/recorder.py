@@ -22,7 +22,7 @@ Under Lightning the forward and backward run in a closure inside
 ``optimizer.step``; they keep their phase. View ops' outputs
 are recorded by layout only (their bits are their input's), and the step
 trace's own fingerprint ops are left out.
-One file per rank: ``ops-rank<R>.safetensors``, written atomically (without fsync) when the
+One file per rank, in the format of :mod:`reprotrain.ops.opfile`, written when the
 window's last step ends.
 
 Use it with one line: ``OpRecorder()`` as a Lightning callback, or ``with
@@ -52,8 +52,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning
-import numpy as np
-import safetensors.numpy
 import torch
 import torch._dynamo
 from lightning.pytorch import Callback
@@ -62,23 +60,22 @@ from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from reprotrain.atomic import atomic_write_bytes
 from reprotrain.fingerprint import fingerprints, tensor_bytes
-from reprotrain.hashing import safetensors_metadata
+from reprotrain.ops.opfile import (
+    ALLOCATING,
+    DIR_VARIABLE,
+    LABELLED,
+    OUTSIDE,
+    PYTHON_VALUE,
+    RNG_STATE,
+    WINDOW_VARIABLE,
+    recording_dir,
+    recording_path,
+    write_recording,
+)
 
-__all__ = ["OpRecorder", "Recording", "parse_window", "record_step"]
-
-FORMAT = "reprotrain-ops"
-VERSION = 2  # 2: CPU tensors fingerprinted by CRC-32 (1: devicehash everywhere)
-#: How fingerprints are computed, by the tensor's device (the file's ``hash``).
-HASH = "crc32 on cpu, devicehash elsewhere"
-WINDOW_VARIABLE = "REPROTRAIN_RECORD_OPS"
-DIR_VARIABLE = "REPROTRAIN_OPS_DIR"
-PHASES = ("forward", "backward", "optimizer")
-#: Origins of an input no recorded op produced (a producer op's index is >= 0).
-OUTSIDE, PYTHON_VALUE, RNG_STATE, LABELLED = -1, -2, -3, -4
-#: Ops whose output holds whatever the memory held; opdiff blames who reads it unwritten.
-ALLOCATING = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+__all__ = ["DIR_VARIABLE", "WINDOW_VARIABLE", "OpRecorder", "Recording", "parse_window",
+           "record_step"]  # fmt: skip
 _NODE_KEY = "reprotrain.ops.recorder"
 _LIBRARY_DIR = Path(__file__).resolve().parent
 #: Files whose ops are bookkeeping, not the step's computation: the step trace's fingerprints.
@@ -392,31 +389,18 @@ class Recording:
         if not self.steps or self.steps[-1] != self.step:
             self.steps.append(self.step)
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The recording's tables, as the file holds them."""
-        return {
-            "ops": np.array(self.ops, dtype=np.int64).reshape(-1, 5),
-            "inputs": np.array(self.inputs, dtype=np.int64).reshape(-1, 4),
-            "outputs": np.array(self.outputs, dtype=np.int64).reshape(-1, 2),
-            "fingerprints": np.array(self._values, dtype=np.int64),
-        }
-
     def write(self, path: str | Path) -> None:
-        metadata = {
-            "format": FORMAT,
-            "version": VERSION,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "steps": self.steps,
-            "model": self.signature,
-            "strings": list(self.strings),
-            "torch": torch.__version__,
-            "hash": HASH,
-        }
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        data = safetensors.numpy.save(self.arrays(), metadata=safetensors_metadata(metadata))
-        # No fsync: a recording is made again by rerunning (atomic_path says what that risks).
-        atomic_write_bytes(path, data, sync=False)
+        """Write the window's tables to ``path`` (:func:`.opfile.write_recording`)."""
+        write_recording(
+            path,
+            {"ops": self.ops, "inputs": self.inputs, "outputs": self.outputs},
+            self._values,
+            rank=self.rank,
+            world_size=self.world_size,
+            steps=self.steps,
+            model=self.signature,
+            strings=list(self.strings),
+        )
 
 
 def _model_signature(root: torch.nn.Module | None) -> str:
@@ -591,14 +575,6 @@ def _window_from_env(steps: tuple[int, int] | None) -> tuple[int, int] | None:
     return None if not text else parse_window(text)
 
 
-def _out_dir(out: str | Path | None) -> Path:
-    return Path(out if out is not None else os.environ.get(DIR_VARIABLE, "ops"))
-
-
-def _rank_file(out: Path, rank: int) -> Path:
-    return out / f"ops-rank{rank}.safetensors"
-
-
 _plain: dict[str, Any] = {}
 
 
@@ -629,7 +605,7 @@ def record_step(
     with _recording_step(recording, step):
         yield
     if step == window[1]:
-        recording.write(_rank_file(_out_dir(out), 0))
+        recording.write(recording_path(recording_dir(out), 0))
         _plain.clear()
 
 
@@ -638,7 +614,7 @@ class OpRecorder(Callback):
 
     def __init__(self, steps: tuple[int, int] | None = None, out: str | Path | None = None):
         self.window = _window_from_env(steps)
-        self.out = _out_dir(out)
+        self.out = recording_dir(out)
         self.recording: Recording | None = None
         self._context: Any = None
 
@@ -669,5 +645,5 @@ class OpRecorder(Callback):
 
     def _write(self) -> None:
         if self.recording is not None and self.recording.ops:
-            self.recording.write(_rank_file(self.out, self.recording.rank))
+            self.recording.write(recording_path(self.out, self.recording.rank))
         self.recording = None
