@@ -10,6 +10,7 @@ script without a fault is IDENTICAL (negative control).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -103,6 +104,31 @@ def test_under_torch_compile_dynamo_does_not_trace_the_recorder(tmp_path: Path) 
     # The mode is popped while its handler runs; unguarded, Dynamo compiled ~20 graphs here.
     assert counters["stats"]["unique_graphs"] == graphs
     assert len(load_safetensors(tmp_path / "ops-rank0.safetensors")[0]["ops"]) > 10
+
+
+def test_library_ops_get_the_users_line_and_the_traces_own_ops_are_left_out(
+    tmp_path: Path,
+) -> None:
+    from reprotrain.distributed.worldsize import tree_sum
+    from reprotrain.fingerprint import fingerprints
+
+    model = torch.nn.Linear(4, 2)
+    with record_step(model, 0, steps=(0, 0), out=tmp_path):
+        y = model(torch.ones(3, 4))
+        total = tree_sum([y, y])  # library code: its ops get this line
+        fingerprints([total], total.device)  # the step trace's bookkeeping: left out
+    tensors, meta = load_safetensors(tmp_path / "ops-rank0.safetensors")
+    lines = {meta["strings"][op[4]] for op in tensors["ops"].tolist()}
+    expected = {_line_of("y = model(torch.ones"), _line_of("library code: its ops")}
+    assert {line.rpartition(":")[2] for line in lines} == {str(n) for n in expected}
+    assert all(line.endswith(f"{Path(__file__).name}:{line.rpartition(':')[2]}") for line in lines)
+
+
+def test_the_packages_the_recorder_names_exist() -> None:
+    from reprotrain.ops.location import BOOKKEEPING, USER_PACKAGES
+
+    assert all(importlib.util.find_spec(name) for name in BOOKKEEPING + USER_PACKAGES)
+    assert importlib.util.find_spec("reprotrain.no_such_module") is None  # negative control
 
 
 def test_reading_recordings_imports_no_lightning_and_no_dynamo() -> None:
