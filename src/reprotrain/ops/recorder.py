@@ -22,6 +22,8 @@ record_step(model, step, optimizer):`` around each step of a plain loop. With
 no window given, both read ``REPROTRAIN_RECORD_OPS`` ("3" or "3-5") and
 ``REPROTRAIN_OPS_DIR`` (default ``ops``), which ``reprotrain verify -- CMD``
 sets; when neither asks for a step they install nothing and cost nothing.
+A step that raises (a fit that fails) leaves no dispatch mode or hook
+installed (:mod:`reprotrain.ops.capture`) and writes no recording.
 
 Limits: ops of other threads than the one that runs the step (DataLoader
 workers) are not seen; their effect shows as a differing batch. A recorded
@@ -87,7 +89,8 @@ def record_step(
     """Around one step of a plain PyTorch loop: records it when ``step`` is in the window.
 
     The window and folder default to ``REPROTRAIN_RECORD_OPS`` / ``REPROTRAIN_OPS_DIR``;
-    outside the window this is a null context. The file is written after the last step.
+    outside the window this is a null context. The file is written after the last step;
+    a step that raises ends the window unwritten, with nothing left installed.
     """
     window = _window_from_env(steps)
     if window is None or not window[0] <= step <= window[1]:
@@ -99,45 +102,77 @@ def record_step(
     label_all(recording, model, [optimizer] if optimizer is not None else [])
     if batch is not None:
         _label_batch(recording, batch)
-    with recording_step(recording, step):
-        yield
+    try:
+        with recording_step(recording, step):
+            yield
+    except BaseException:
+        _unfinished.clear()  # a failed window is neither continued nor written
+        raise
     if step == window[1]:
         _unfinished.clear()
         recording.write(recording_path(recording_dir(out), 0))
 
 
 class OpRecorder(Callback):
-    """Lightning callback: records the ops of the window's optimizer steps, per rank."""
+    """Lightning callback: records the ops of the window's optimizer steps, per rank.
+
+    A recorded step is entered in ``on_train_batch_start`` and left in
+    ``on_train_batch_end``; a fit that raises leaves it through ``on_exception``
+    (and ``teardown`` covers any other way out), unwritten.
+    """
 
     def __init__(self, steps: tuple[int, int] | None = None, out: str | Path | None = None):
         self.window = _window_from_env(steps)
         self.out = recording_dir(out)
         self.recording: Recording | None = None
-        self._context: Any = None
+        self._step: contextlib.ExitStack | None = None  # the recorded step, while it runs
 
     def _active(self, trainer: Any) -> bool:
         return self.window is not None and self.window[0] <= trainer.global_step <= self.window[1]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._leave_step()  # none should be open; if one is, it goes first
         if not self._active(trainer):
             return
         if self.recording is None:
             self.recording = Recording(pl_module, trainer.global_rank, trainer.world_size)
         label_all(self.recording, pl_module, trainer.optimizers)
         _label_batch(self.recording, batch)
-        self._context = recording_step(self.recording, trainer.global_step)
-        self._context.__enter__()
+        step = contextlib.ExitStack()
+        step.enter_context(recording_step(self.recording, trainer.global_step))
+        self._step = step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._context is None:
+        if self._step is None:
             return
-        self._context.__exit__(None, None, None)
-        self._context = None
+        self._leave_step()
         if trainer.global_step > self.window[1]:  # the window's last optimizer step is done
             self._write()
 
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._leave_step()  # left open by a batch the module skipped (on_train_batch_start: -1)
+
     def on_train_end(self, trainer, pl_module) -> None:
+        self._leave_step()
         self._write()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._leave_step(exception)
+        self.recording = None  # a fit that failed writes no recording
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._step is not None:  # left by a way out that no other hook saw
+            self._leave_step()
+            self.recording = None
+
+    def _leave_step(self, error: BaseException | None = None) -> None:
+        step, self._step = self._step, None
+        if step is None:
+            return
+        if error is None:
+            step.close()
+        else:
+            step.__exit__(type(error), error, error.__traceback__)
 
     def _write(self) -> None:
         if self.recording is not None and self.recording.ops:
