@@ -40,8 +40,9 @@ from _workspace import ROOT
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
 from reprotrain.hashing import canonical_json, load_safetensors
-from reprotrain.ops import recorder as oprecord
-from reprotrain.ops.recorder import _crc, record_step
+from reprotrain.ops import recording as oprecord
+from reprotrain.ops.recorder import record_step
+from reprotrain.ops.recording import _crc
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.model import build_network
 from trace_overhead import MLP

@@ -11,17 +11,22 @@ script without a fault is IDENTICAL (negative control).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from reprotrain.determinism import configure_determinism
 from reprotrain.hashing import load_safetensors, safetensors_metadata, sha256_state_dict
+from reprotrain.ops import recorder
 from reprotrain.ops.align import OpRecordError, compare_recordings
 from reprotrain.ops.recorder import DIR_VARIABLE, WINDOW_VARIABLE, OpRecorder, record_step
 from reprotrain.pipeline.config import load_params
@@ -139,6 +144,152 @@ def test_recording_a_training_step_leaves_the_weights_unchanged(
 def test_the_train_stage_names_the_variable_the_recorder_reads() -> None:
     assert RECORD_OPS_VARIABLE == WINDOW_VARIABLE
     assert importlib.import_module(RECORDER_MODULE).OpRecorder is OpRecorder
+
+
+def test_library_ops_get_the_users_line_and_the_traces_own_ops_are_left_out(
+    tmp_path: Path,
+) -> None:
+    from reprotrain.distributed.worldsize import tree_sum
+    from reprotrain.fingerprint import fingerprints
+
+    model = torch.nn.Linear(4, 2)
+    with record_step(model, 0, steps=(0, 0), out=tmp_path):
+        y = model(torch.ones(3, 4))
+        total = tree_sum([y, y])  # library code: its ops get this line
+        fingerprints([total], total.device)  # the step trace's bookkeeping: left out
+    tensors, meta = load_safetensors(tmp_path / "ops-rank0.safetensors")
+    lines = {meta["strings"][op[4]] for op in tensors["ops"].tolist()}
+    expected = {_line_of("y = model(torch.ones"), _line_of("library code: its ops")}
+    assert {line.rpartition(":")[2] for line in lines} == {str(n) for n in expected}
+    assert all(line.endswith(f"{Path(__file__).name}:{line.rpartition(':')[2]}") for line in lines)
+
+
+def test_the_packages_the_recorder_names_exist() -> None:
+    from reprotrain.ops.location import BOOKKEEPING, USER_PACKAGES
+
+    assert all(importlib.util.find_spec(name) for name in BOOKKEEPING + USER_PACKAGES)
+    assert importlib.util.find_spec("reprotrain.no_such_module") is None  # negative control
+
+
+def test_reading_recordings_imports_no_lightning_and_no_dynamo() -> None:
+    code = (
+        "import sys, {module}; "
+        "print(sorted(m for m in ('lightning', 'torch._dynamo') if m in sys.modules))"
+    )
+    seen = {}
+    for module in ("reprotrain.ops.align", "reprotrain.ops.recorder"):
+        done = subprocess.run(
+            [sys.executable, "-c", code.format(module=module)],
+            capture_output=True, text=True, check=True, cwd=ROOT,
+        )  # fmt: skip
+        seen[module] = done.stdout.strip()
+    assert seen["reprotrain.ops.align"] == "[]"
+    # Negative control: the recorder, a Lightning callback, does load both.
+    assert seen["reprotrain.ops.recorder"] == "['lightning', 'torch._dynamo']"
+
+
+def _global_state() -> dict[str, Any]:
+    """Everything the recorder installs while it records, as seen from outside."""
+    from torch.nn.modules import module as nn_module
+    from torch.optim import optimizer as optim
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _len_torch_dispatch_stack
+
+    module_hooks = ("forward_pre", "forward", "backward_pre", "backward")
+    hooks = {f"module {n} hooks": list(getattr(nn_module, f"_global_{n}_hooks").items())
+             for n in module_hooks}  # fmt: skip
+    for n in ("pre", "post"):
+        hooks[f"optimizer {n} hooks"] = list(getattr(optim, f"_global_optimizer_{n}_hooks").items())
+    return {
+        "dispatch mode": _get_current_dispatch_mode(),
+        "dispatch modes": _len_torch_dispatch_stack(),
+        "unfinished plain-loop recording": dict(recorder._unfinished),
+        **hooks,
+    }
+
+
+def test_a_plain_loop_step_that_raises_leaves_nothing_installed(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _global_state()
+    with (
+        pytest.raises(RuntimeError, match="planted"),
+        record_step(model, 1, optimizer, steps=(1, 2), out=tmp_path),
+    ):
+        model(torch.randn(16, 4)).sum().backward()
+        inside = _global_state()
+        raise RuntimeError("planted failure inside the recorded step")
+    assert inside != before  # negative control: the step was being recorded
+    assert _global_state() == before
+    assert not list(tmp_path.iterdir())  # a window that failed writes no recording
+
+
+class _FailingModule(lightning.pytorch.LightningModule):
+    """Fails in its training step at ``fail_at``, or skips the rest of the epoch at ``skip_at``."""
+
+    def __init__(self, fail_at: int = -1, skip_at: int = -1) -> None:
+        super().__init__()
+        self.layer, self.fail_at, self.skip_at = torch.nn.Linear(4, 2), fail_at, skip_at
+        self.state_inside: dict[str, Any] = {}
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        if self.global_step == self.skip_at:
+            self.state_inside = _global_state()
+            return -1  # Lightning: skip the rest of this epoch
+        return None
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.layer(batch[0]).sum()
+        if self.global_step == self.fail_at:
+            self.state_inside = _global_state()
+            raise RuntimeError("planted failure inside the recorded step")
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+        return torch.utils.data.DataLoader(data, batch_size=2)
+
+
+@pytest.mark.parametrize("window_from", ["constructor", "environment"])
+def test_a_lightning_step_that_raises_leaves_nothing_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window_from: str
+) -> None:
+    from reprotrain.ops.recorder import OpRecorder
+
+    if window_from == "environment":
+        monkeypatch.setenv("REPROTRAIN_RECORD_OPS", "1-2")
+        monkeypatch.setenv("REPROTRAIN_OPS_DIR", str(tmp_path / "ops"))
+        callback = OpRecorder()
+    else:
+        callback = OpRecorder(steps=(1, 2), out=tmp_path / "ops")
+    module = _FailingModule(fail_at=1)
+    trainer = lightning.pytorch.Trainer(
+        max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+    )  # fmt: skip
+    before = _global_state()
+    with pytest.raises(RuntimeError, match="planted"):
+        trainer.fit(module)
+    assert module.state_inside["dispatch modes"] == before["dispatch modes"] + 1  # recording
+    assert _global_state() == before
+    assert not (tmp_path / "ops").exists()  # a fit that failed writes no recording
+
+
+def test_a_batch_the_module_skips_leaves_nothing_installed(tmp_path: Path) -> None:
+    from reprotrain.ops.recorder import OpRecorder
+
+    module = _FailingModule(skip_at=1)
+    trainer = lightning.pytorch.Trainer(
+        max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[OpRecorder(steps=(1, 1), out=tmp_path / "ops")],
+    )  # fmt: skip
+    before = _global_state()
+    trainer.fit(module)
+    assert module.state_inside["dispatch modes"] == before["dispatch modes"] + 1  # recording
+    assert _global_state() == before
 
 
 def test_recordings_of_different_models_are_refused(tmp_path: Path) -> None:

@@ -246,7 +246,7 @@ def _locate(
     """Down to the step (a trace among the outputs) and the op (a recording of that step)."""
     # torch and Lightning: only when a tensor differs
     from reprotrain.ops.align import OpRecordError, compare_recordings
-    from reprotrain.ops.recorder import DIR_VARIABLE, WINDOW_VARIABLE
+    from reprotrain.ops.opfile import DIR_VARIABLE, WINDOW_VARIABLE
     from reprotrain.trace.diff import compare_traces, with_op_diagnosis
 
     out: dict[str, Any] = {}

@@ -205,7 +205,7 @@ def _name_the_op(
     trace = result.report.trace if result.report is not None else None
     if trace is None or trace.record not in KERNEL_RECORDS or trace.first_step is None:
         return result
-    from reprotrain.ops.recorder import DIR_VARIABLE, WINDOW_VARIABLE  # torch: a kernel is blamed
+    from reprotrain.ops.opfile import DIR_VARIABLE, WINDOW_VARIABLE  # torch: a kernel is blamed
 
     train_args, workdir, environment, _ = workspace
     ops = []

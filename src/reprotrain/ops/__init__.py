@@ -1,8 +1,10 @@
 """Individual aten ops: record every op of chosen steps, align two recordings, probe ops.
 
-``recorder`` (Lightning callback and context manager) writes recordings in the
-format ``opfile`` defines; ``align`` reads two of them (no Lightning) and
-names the first op whose output differs, with its module and source line;
-``probes`` runs single ops twice to find the non-deterministic ones and
-``catalog`` writes what it found per device class.
+``recorder`` (Lightning callback and context manager) records steps through
+``capture`` (the dispatch mode and hooks), into a ``recording`` (the tables
+and fingerprints; ``location`` names each op's source line), written in the
+format ``opfile`` defines; ``align`` reads two of them through ``opfile`` (no
+Lightning) and names the first op whose output differs, with its module and
+source line; ``probes`` runs single ops twice to find the non-deterministic
+ones and ``catalog`` writes what it found per device class.
 """

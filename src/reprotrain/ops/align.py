@@ -1,7 +1,8 @@
 """Align two op recordings from separate processes or machines and name the first culprit.
 
-Two recordings (:mod:`reprotrain.ops.recorder`) of the same steps are walked op by
-op, rank by rank. The first op whose inputs or outputs differ is classified:
+Two recordings (:mod:`reprotrain.ops.recorder`, read by :mod:`reprotrain.ops.opfile`)
+of the same steps are walked op by op, rank by rank. The first op whose inputs
+or outputs differ is classified:
 
 - ``kernel``: every input equal, an output differs: the op itself is not
   deterministic here or runs another code path (thread count, ISA dispatch,
@@ -26,28 +27,25 @@ with one line naming the file.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from reprotrain.ops.recorder import (
+from reprotrain.ops.opfile import (
     ALLOCATING,
-    FORMAT,
     LABELLED,
     OUTSIDE,
-    PHASES,
     PYTHON_VALUE,
     RNG_STATE,
-    VERSION,
+    LoadedRecording,
+    OpRecordError,
+    load_recordings,
 )
 
-__all__ = ["OpDiff", "OpRecordError", "compare_recordings", "load_recordings"]
+__all__ = ["OpDiff", "OpRecordError", "compare_recordings"]
 
-_COLUMNS = {"ops": 5, "inputs": 4, "outputs": 2}
-_RANK_FILE = re.compile(r"ops-rank(\d+)\.safetensors$")
 _HINTS = {
     "parameter": "the weights before this step differed (an earlier step, or the checkpoint "
     "it resumed from)",
@@ -55,88 +53,6 @@ _HINTS = {
     "batch": "the batch differed (data order, augmentation, DataLoader worker seeding)",
     "optimizer state": "optimizer state differed before this step (resume, or an earlier step)",
 }
-
-
-class OpRecordError(ValueError):
-    """A file that cannot be compared as an op recording; the message is one line."""
-
-
-@dataclass(frozen=True)
-class Recording:
-    """One rank's recording, as arrays."""
-
-    path: Path
-    meta: dict[str, Any]
-    ops: np.ndarray
-    inputs: np.ndarray
-    outputs: np.ndarray
-    values: np.ndarray
-
-    def text(self, index: int) -> str:
-        return self.meta["strings"][index] if index >= 0 else "-"
-
-    def op(self, i: int) -> dict[str, Any]:
-        step, phase, name, module, line = (int(x) for x in self.ops[i])
-        return {
-            "index": i,
-            "step": step,
-            "phase": PHASES[phase],
-            "op": self.text(name),
-            "module": self.text(module),
-            "line": self.text(line),
-        }
-
-    def _rows(self, table: np.ndarray, i: int) -> np.ndarray:
-        lo, hi = np.searchsorted(table[:, 0], [i, i + 1])
-        return table[lo:hi]
-
-    def op_inputs(self, i: int) -> np.ndarray:
-        return self._rows(self.inputs, i)
-
-    def op_outputs(self, i: int) -> np.ndarray:
-        return self.values[self._rows(self.outputs, i)[:, 1]]
-
-
-def _load(path: Path) -> Recording:
-    from safetensors import SafetensorError
-
-    from reprotrain.hashing import load_safetensors
-
-    try:
-        tensors, meta = load_safetensors(path)
-    except (OSError, SafetensorError, ValueError) as err:
-        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise OpRecordError(
-            f"{path}: not a readable op recording ({detail}); pass a file OpRecorder wrote"
-        ) from None
-    if meta.get("format") != FORMAT or set(tensors) != {*_COLUMNS, "fingerprints"}:
-        raise OpRecordError(f"{path}: not an op recording; pass a file OpRecorder wrote")
-    if int(meta.get("version", 0)) > VERSION:
-        raise OpRecordError(
-            f"{path}: recorded by a newer reprotrain (format version {meta['version']}, this "
-            f"one reads {VERSION}); upgrade reprotrain to compare it"
-        )
-    arrays = {k: v.numpy() for k, v in tensors.items()}
-    for name, width in _COLUMNS.items():
-        if arrays[name].ndim != 2 or arrays[name].shape[1] != width:
-            raise OpRecordError(f"{path}: column {name!r} is damaged; record the run again")
-    return Recording(path, meta, arrays["ops"], arrays["inputs"], arrays["outputs"],
-                     arrays["fingerprints"])  # fmt: skip
-
-
-def load_recordings(where: str | Path) -> dict[int, Recording]:
-    """rank -> recording, from one file or a folder of ``ops-rank<R>.safetensors``."""
-    path = Path(where)
-    if path.is_dir():
-        files = {int(m.group(1)): p for p in path.iterdir() if (m := _RANK_FILE.search(p.name))}
-        if not files:
-            raise OpRecordError(f"{path}: no ops-rank<R>.safetensors in this folder; pass one")
-    elif path.is_file():
-        files = {-1: path}
-    else:
-        raise OpRecordError(f"{path}: not found; pass an op recording or its folder")
-    recordings = {rank: _load(p) for rank, p in sorted(files.items())}
-    return {int(r.meta.get("rank", 0)): r for r in recordings.values()}
 
 
 @dataclass
@@ -183,7 +99,7 @@ class OpDiff:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
 
-def _check_pair(a: dict[int, Recording], b: dict[int, Recording]) -> None:
+def _check_pair(a: dict[int, LoadedRecording], b: dict[int, LoadedRecording]) -> None:
     ra, rb = next(iter(a.values())), next(iter(b.values()))
     what = f"{ra.path} and {rb.path}"
     if sorted(a) != sorted(b):
@@ -206,7 +122,7 @@ def _check_pair(a: dict[int, Recording], b: dict[int, Recording]) -> None:
         )
 
 
-def _describe(rec: Recording, row: np.ndarray) -> str:
+def _describe(rec: LoadedRecording, row: np.ndarray) -> str:
     origin, label = int(row[2]), int(row[3])
     if origin >= 0:
         producer = rec.op(origin)
@@ -225,7 +141,7 @@ def _describe(rec: Recording, row: np.ndarray) -> str:
     }[origin]
 
 
-def _allocated(rec: Recording, row: np.ndarray) -> bool:
+def _allocated(rec: LoadedRecording, row: np.ndarray) -> bool:
     """True when the input is the output of an allocating op (contents never written)."""
     if row[2] < 0:
         return False
@@ -233,7 +149,7 @@ def _allocated(rec: Recording, row: np.ndarray) -> bool:
     return name.split(".")[1] in ALLOCATING
 
 
-def _signature(rec: Recording, i: int) -> tuple[Any, ...]:
+def _signature(rec: LoadedRecording, i: int) -> tuple[Any, ...]:
     step, phase, name, module, _ = (int(x) for x in rec.ops[i])
     return step, phase, rec.text(name), rec.text(module)
 
@@ -253,7 +169,7 @@ def _inputs_diagnosis(passed_here: int, differing: int) -> str:
     return "the inputs already differed; the cause is upstream of this op"
 
 
-def _compare_rank(a: Recording, b: Recording) -> OpDiff | int:
+def _compare_rank(a: LoadedRecording, b: LoadedRecording) -> OpDiff | int:
     """The first difference in one rank's streams, or the number of ops compared."""
     n = min(len(a.ops), len(b.ops))
     for i in range(n):
@@ -296,7 +212,7 @@ def _compare_rank(a: Recording, b: Recording) -> OpDiff | int:
     return n
 
 
-def _parted(a: Recording, b: Recording, i: int) -> OpDiff:
+def _parted(a: LoadedRecording, b: LoadedRecording, i: int) -> OpDiff:
     end = {"index": i, "step": "-", "phase": "forward", "op": "(end of recording)",
            "module": "-", "line": "-"}  # fmt: skip
     op_a = a.op(i) if i < len(a.ops) else end
