@@ -212,7 +212,7 @@ class RunComparison:
     report: ComparisonReport | None = None
     run_ids: tuple[str | None, str | None] = (None, None)
     notes: list[str] = field(default_factory=list)
-    #: The first differing op, from op recordings of the first diverging step (opalign).
+    #: The first differing op, from op recordings of the first diverging step (ops.align).
     ops: dict[str, Any] | None = None
     ops_text: str | None = None
 
