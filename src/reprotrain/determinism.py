@@ -228,6 +228,22 @@ def configure_determinism(
     )
 
 
+def seed_all(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every CUDA device) from one integer, now.
+
+    For re-seeding inside a run (a micro-batch, a replayed step); at process
+    start :func:`configure_determinism` seeds through Lightning, workers included.
+    """
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # every device, CUDA included
+
+
 def explain_nondeterministic_error(err: RuntimeError) -> DeterminismError | None:
     """A :class:`DeterminismError` naming the op and the fix, if ``err`` is torch's alert."""
     message = str(err)

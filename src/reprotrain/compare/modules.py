@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from reprotrain.determinism import seed_all
 from reprotrain.fingerprint import tensor_bytes
 
 __all__ = ["LocateResult", "locate_divergence"]
@@ -86,12 +87,6 @@ def _tensors(value: Any) -> Iterator[torch.Tensor | None]:
             yield from _tensors(item)
 
 
-def _seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # every device, CUDA included
-
-
 def _run_once(
     module: nn.Module,
     state: Mapping[str, torch.Tensor],
@@ -123,7 +118,7 @@ def _run_once(
         handles.append(mod.register_forward_hook(on_forward))
         handles.append(mod.register_full_backward_hook(on_backward))
     try:
-        _seed(seed)
+        seed_all(seed)
         out = loss_fn(module, batch)
         loss = out["loss"] if isinstance(out, Mapping) else out
         run.loss = loss.detach().clone()

@@ -51,7 +51,6 @@ blocks the backward while a bucket is exchanged (no overlap with it)
 from __future__ import annotations
 
 import hashlib
-import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -63,6 +62,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch import nn
 from torch.utils.data import Sampler
 
+from reprotrain.determinism import seed_all
 from reprotrain.distributed.ddp import BACKENDS, DDP_OPTIONS
 
 __all__ = [
@@ -117,13 +117,6 @@ def micro_batch_seed(seed: int, step: int, micro_batch: int) -> int:
     """A 63-bit seed for micro-batch ``micro_batch`` of optimizer step ``step``."""
     digest = hashlib.blake2b(f"{seed}/{step}/{micro_batch}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def seed_everything_for(seed: int) -> None:
-    """Seed python, numpy and torch (CPU and every CUDA device) from one 63-bit seed."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def sample_rng(key: tuple[int, int]) -> np.random.Generator:
@@ -277,7 +270,7 @@ class WorldSizeInvariantStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module else None
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
             micro_batch = self.first_micro_batch + len(self._losses)
-            seed_everything_for(micro_batch_seed(self.seed, trainer.global_step, micro_batch))
+            seed_all(micro_batch_seed(self.seed, trainer.global_step, micro_batch))
         return super().batch_to_device(batch, device, dataloader_idx)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
