@@ -23,7 +23,7 @@ DOCKER ?= docker
 IMAGE ?= reprotrain:latest
 BASE_IMAGE ?=
 
-.PHONY: help venv repro test test-other-isa test-slow test-gpu gpu-evidence test-container verify check-reference status lint format lock bench ops clean \
+.PHONY: help venv repro test test-slow test-gpu gpu-evidence test-container verify check-reference status lint format lock bench ops clean \
 	image docker-repro docker-verify
 
 help: ## List the targets
