@@ -144,6 +144,9 @@ def test_a_gradient_changed_after_the_last_traced_step_is_found_by_the_final_sta
     )
     assert (diff.identical, diff.record, diff.first_step) == (False, "final", 1)
     assert diff.tensor == "parameters, optimizer"
+    text = diff.to_text()
+    assert "final state parts differing: parameters, optimizer" in text
+    assert "first differing tensor" not in text  # the parts are not tensors
     assert "steps 1-9; weights_every=32" in diff.diagnosis
     verdict = compare_files(
         "final", a / "final.safetensors", planted / "final.safetensors", (a, planted)

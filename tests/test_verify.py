@@ -149,3 +149,18 @@ def test_verify_that_fails_leaves_no_temporary_folder(repo_copy: Path, tmp_path:
     assert result.returncode == 2, result.stdout + result.stderr
     assert "model.dropout" in result.stderr
     assert not list(scratch.glob("reprotrain-verify-*"))
+
+
+def test_the_verdict_names_which_pairs_of_runs_differ() -> None:
+    from types import SimpleNamespace
+
+    from reprotrain.commands.verify import _verdict
+
+    def pair(b: str, identical: bool) -> SimpleNamespace:
+        return SimpleNamespace(a=SimpleNamespace(label="run-1"), b=SimpleNamespace(label=b),
+                               identical=identical)  # fmt: skip
+
+    assert _verdict([pair("run-2", True), pair("run-3", True)]) == "IDENTICAL (3 runs)"
+    assert _verdict([pair("run-2", True), pair("run-3", False)]) == (
+        "NOT REPRODUCIBLE (3 runs; differ: run-1 vs run-3)"
+    )

@@ -258,9 +258,17 @@ def _report(results: list[RunComparison], workdir: Path, keep: bool, as_json: bo
     elif not as_json:
         print(f"run folders kept in {workdir} (reprotrain compare A B explains any pair)")
     if not as_json:
-        verdict = "IDENTICAL" if identical else "NOT REPRODUCIBLE"
-        print(f"reprotrain verify: {verdict} ({len(results) + 1} runs)")
+        print(f"reprotrain verify: {_verdict(results)}")
     return 0 if identical else EXIT_CHECK_FAILED
+
+
+def _verdict(results: list[RunComparison]) -> str:
+    """One line; with three runs or more, which pairs differ (each is compared with the first)."""
+    runs = f"{len(results) + 1} runs"
+    differing = [f"{r.a.label} vs {r.b.label}" for r in results if not r.identical]
+    if not differing:
+        return f"IDENTICAL ({runs})"
+    return f"NOT REPRODUCIBLE ({runs}; differ: {', '.join(differing)})"
 
 
 def check_reference(rev: str, workdir: Path | None) -> int:

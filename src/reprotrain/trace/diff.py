@@ -111,7 +111,9 @@ class TraceDiff:
                 "gradients over all ranks, so a backward difference on one reaches every rank)"
             )
         if self.tensor:
-            lines.append(f"  first differing tensor: {self.tensor}")
+            final = self.record == "final"  # then ``tensor`` names parts, not a tensor
+            label = "final state parts differing" if final else "first differing tensor"
+            lines.append(f"  {label}: {self.tensor}")
         if self.records_differing:
             lines.append(f"  differing at that step: {', '.join(self.records_differing)}")
         if self.steps_a != self.steps_b:
