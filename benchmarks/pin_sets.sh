@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Weight sha256s of the train stage under candidate CPU pin sets, to compare hosts (issue 31):
+# a pin set that gives the same digits on two hosts with different CPUs or caches is a
+# candidate for a faster portable profile; one that differs is not. Trains 3 epochs with no
+# DataLoader workers per pin set, in fresh processes; prints the CPU's caches, then one line
+# per pin set with the first 16 hex digits of sha256_state_dict of the weights. Run from the
+# repository root after `make venv`:
+#     bash benchmarks/pin_sets.sh
+# (The same rows as ../shared/tools/pin-fingerprints.sh, whose table the docs extend.)
+set -euo pipefail
+root=$(pwd)
+export PATH="$root/.venv/bin:$PATH"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cp params.yaml "$work/"
+cd "$work"
+sed 's/profile: portable/profile: native/' params.yaml >params-native.yaml
+cp params.yaml params-portable.yaml
+mkdir raw
+reprotrain prepare --raw-dir raw --out d.safetensors >/dev/null
+run() {
+	local name=$1 profile=$2
+	shift 2
+	mkdir -p "$name"
+	env "$@" reprotrain env --lock "$root/requirements-cpu.lock" --out "$name/env.json" \
+		--params "params-$profile.yaml" >/dev/null
+	env "$@" reprotrain train --data d.safetensors --env "$name/env.json" \
+		--model "$name/m.safetensors" --metrics "$name/met.json" --plots "$name/plots" \
+		--run-record "$name/run.json" --checkpoints "$name/ck" -S train.max_epochs=3 \
+		-S data.num_workers=0 -S "cpu.profile=$profile" >"$name/log" 2>&1 ||
+		{ echo "$name failed: $(tail -n1 "$name/log")"; return; }
+	printf '%-40s %s\n' "$name" "$(python -c "from reprotrain.hashing import sha256_state_dict as f, load_safetensors as l; print(f(l('$name/m.safetensors')[0])[:16])")"
+}
+grep -m1 "model name" /proc/cpuinfo
+lscpu | grep -E "L1d|L2|L3"
+grep -o -m1 -w "avx512f" /proc/cpuinfo || echo "no avx512f"
+run portable portable X=1
+run native native X=1
+run native-aten-avx2 native ATEN_CPU_CAPABILITY=avx2
+run native-aten-avx2-onednn-avx2 native ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+run native-aten-avx2-onednn-avx2-mklcompat native ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	MKL_CBWR=COMPATIBLE,STRICT
+run native-onednn-sse41-mklcompat native ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=SSE41 \
+	MKL_CBWR=COMPATIBLE,STRICT
