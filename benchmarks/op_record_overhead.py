@@ -40,7 +40,7 @@ from _workspace import ROOT
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
 from reprotrain.hashing import canonical_json, load_safetensors
-from reprotrain.ops import recording as oprecord
+from reprotrain.ops import recording
 from reprotrain.ops.recorder import record_step
 from reprotrain.ops.recording import _crc
 from reprotrain.pipeline.config import load_params
@@ -115,10 +115,10 @@ def measure(
     if parts:  # what each part adds, by leaving it out
         variants["empty dispatch mode"] = empty_mode
         variants["recorded, no tensor hashed"] = lambda i: variant(
-            i, (oprecord, "_crc", _texts_only)
+            i, (recording, "_crc", _texts_only)
         )
         variants["recorded, no file written"] = lambda i: variant(
-            i, (oprecord.Recording, "write", lambda *_: None)
+            i, (recording.Recording, "write", lambda *_: None)
         )
     times: dict[str, list[float]] = {"plain": [], **{k: [] for k in variants}}
     with tempfile.TemporaryDirectory() as out:

@@ -24,8 +24,8 @@ as the same tables; a file that is not a recording, a damaged one and one of a
 newer format raise :class:`OpRecordError`, one line naming the file. This module
 imports no Lightning and no ``torch._dynamo``, so tools that only read
 recordings (``reprotrain opdiff``, ``compare``, ``verify``) start fast.
-Limits: a version 1 file loads, but its fingerprints (devicehash on the CPU too)
-do not compare with version 2's; :mod:`reprotrain.ops.align` refuses that pair.
+Limits: a version 1 file loads, but its fingerprints (:mod:`reprotrain.fingerprint`
+on the CPU too) do not compare with version 2's; :mod:`reprotrain.ops.align` refuses that pair.
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ __all__ = [
 ]
 
 FORMAT = "reprotrain-ops"
-VERSION = 2  # 2: CPU tensors fingerprinted by CRC-32 (1: devicehash everywhere)
-#: How fingerprints are computed, by the tensor's device (the file's ``hash``).
+VERSION = 2  # 2: CPU tensors fingerprinted by CRC-32 (1: reprotrain.fingerprint everywhere)
+#: How fingerprints are computed, by the tensor's device (the file's ``hash``; the text
+#: files carry: "devicehash" is :mod:`reprotrain.fingerprint`'s former name).
 HASH = "crc32 on cpu, devicehash elsewhere"
 #: Each table's columns, in the file's order; ``fingerprints`` is one column.
 COLUMNS = {
