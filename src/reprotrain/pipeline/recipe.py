@@ -1,0 +1,290 @@
+"""The model and data named as LightningCLI names them: ``{class_path, init_args}``.
+
+Draft for issue 29 (docs/your-model.md); no stage uses it yet. A section of
+``params.yaml`` such as ``model: {class_path: mypkg.Net, init_args: {hidden: 128}}``
+is resolved and type-checked by jsonargparse, the library LightningCLI parses
+its configs with, so the ``model`` and ``data`` sections of a LightningCLI
+config paste in unchanged. The answer, :class:`ResolvedComponent`, holds every
+init argument with its default filled in, as plain JSON (what the run record
+and the run ID will carry), and builds the object from exactly those values.
+
+Arguments the pipeline supplies itself (the class count a model learns from the
+data, the seed a data module shuffles with) are ``provided``: left out of the
+parse, refused in ``init_args``, passed at :meth:`ResolvedComponent.instantiate`.
+
+Every error is a :class:`~reprotrain.pipeline.config.ConfigError` of one line
+naming the key path (``model.init_args.hidden``) and what to do. jsonargparse's
+coercions stay: a string such as ``'1e-3'`` for a float parameter is accepted
+(PyYAML reads ``1e-3`` as a string), ``'abc'`` is not.
+
+:func:`code_files` lists the user code that decides the bits: the source of the
+package the class lives in. Code installed in site-packages is pinned by the
+lock, whose hash is already a run input, so it is not listed; nor is a
+class's file when Python found it elsewhere than on disk.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import re
+import site
+import sysconfig
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import ArgumentError, ArgumentParser
+
+from reprotrain.pipeline.config import ConfigError
+from reprotrain.provenance.identity import source_files
+
+#: The keys a component section may hold: LightningCLI's two, and ours.
+SECTION_KEYS = ("class_path", "init_args", "code")
+
+
+@dataclass(frozen=True)
+class ResolvedComponent:
+    """A class named in ``params.yaml`` and every argument it is built with."""
+
+    key: str  #: the params section: "model" or "data"
+    class_path: str  #: the dotted path the class was named by
+    cls: type
+    init_args: dict[str, Any]  #: every argument, defaults included, as JSON values
+    provided: tuple[str, ...] = ()  #: arguments the pipeline passes at instantiation
+    code: tuple[str, ...] = ()  #: extra files or folders that decide the bits
+
+    def record(self) -> dict[str, Any]:
+        """What the run record carries: the section, fully resolved."""
+        return {"class_path": self.class_path, "init_args": self.init_args}
+
+    def instantiate(self, **provided: Any) -> Any:
+        """Build the object from ``init_args`` (parsed again) and the ``provided`` arguments."""
+        if set(provided) != set(self.provided):
+            raise TypeError(
+                f"{self.key}: {self.class_path} needs exactly {sorted(self.provided)} from the "
+                f"pipeline, got {sorted(provided)}"
+            )
+        parser = _parser(self.cls, self.key, self.provided)
+        built = parser.instantiate(parser.parse_object(self.init_args))
+        return self.cls(**{name: built[name] for name in self.init_args}, **provided)
+
+
+def resolve_component(
+    section: Any, key: str, base: type, provided: Collection[str] = ()
+) -> ResolvedComponent:
+    """Resolve and type-check ``{class_path, init_args}`` under ``key``; one-line errors."""
+    if not isinstance(section, Mapping) or "class_path" not in section:
+        raise ConfigError(
+            f"{key}: expected a mapping with class_path and init_args, got {section!r}; write "
+            f"e.g. {key}: {{class_path: mypkg.module.MyClass, init_args: {{}}}}"
+        )
+    for name in section:
+        if name not in SECTION_KEYS:
+            raise ConfigError(
+                f"{key}.{name}: unknown key; remove it (allowed: {', '.join(SECTION_KEYS)})"
+            )
+    class_path = section["class_path"]
+    cls = _import_class(class_path, key, base)
+    init_args = section.get("init_args") or {}
+    if not isinstance(init_args, Mapping):
+        raise ConfigError(
+            f"{key}.init_args: expected a mapping of argument names to values, got "
+            f"{init_args!r}; write e.g. {key}.init_args: {{}}"
+        )
+    for name in provided:
+        if name in init_args:
+            raise ConfigError(
+                f"{key}.init_args.{name}: set by the pipeline when it builds {class_path}; "
+                "remove it"
+            )
+    parser = _parser(cls, key, tuple(provided))
+    _check_groups(parser, init_args, key, class_path)
+    try:
+        namespace = parser.parse_object(dict(init_args))
+    except ArgumentError as err:
+        raise ConfigError(_one_line(str(err), parser, init_args, key, class_path)) from None
+    resolved = json.loads(parser.dump(namespace, format="json"))
+    return ResolvedComponent(
+        key, class_path, cls, resolved, tuple(provided), _code_list(section.get("code"), key)
+    )
+
+
+def _import_class(class_path: Any, key: str, base: type) -> type:
+    where = f"{key}.class_path"
+    if not isinstance(class_path, str) or not re.fullmatch(r"[\w.]+\.\w+", class_path):
+        raise ConfigError(
+            f"{where}: expected a dotted path such as mypkg.module.MyClass, got {class_path!r}"
+        )
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(
+            f"{where}: cannot import {class_path!r} ({err}); check the spelling and that "
+            "its package is installed or on PYTHONPATH"
+        ) from None
+    cls = getattr(module, name, None)
+    if cls is None:
+        raise ConfigError(
+            f"{where}: module {module_name!r} has no {name!r}; check the spelling of the class"
+        )
+    if not isinstance(cls, type) or not issubclass(cls, base):
+        raise ConfigError(
+            f"{where}: {class_path} is not a {base.__name__}; name a subclass of "
+            f"{base.__module__.split('.')[0]}'s {base.__name__}"
+        )
+    return cls
+
+
+def _parser(cls: type, key: str, provided: tuple[str, ...]) -> ArgumentParser:
+    """jsonargparse's view of ``cls.__init__``, as LightningCLI builds it (untyped allowed)."""
+    parser = ArgumentParser(exit_on_error=False, prog=key)
+    try:
+        parser.add_class_arguments(cls, skip=set(provided), fail_untyped=False)
+    except ValueError as err:
+        message = " ".join(str(err).split())
+        raise ConfigError(f"{key}.class_path: {cls.__qualname__}: {message}") from None
+    return parser
+
+
+def _arguments(parser: ArgumentParser, group: str = "") -> list[str]:
+    """The argument names one level under ``group`` (the top level when empty)."""
+    prefix = f"{group}." if group else ""
+    names = []
+    for action in parser._actions:  # jsonargparse has no public list of its keys
+        rest = action.dest.removeprefix(prefix)
+        if action.dest.startswith(prefix) and rest and "." not in rest and rest != "help":
+            names.append(rest)
+    return names
+
+
+def _check_groups(
+    parser: ArgumentParser, init_args: Mapping[str, Any], key: str, class_path: str
+) -> None:
+    """A dataclass argument must be a mapping (jsonargparse lets a scalar through)."""
+    groups = {a.dest.split(".")[0] for a in parser._actions if "." in a.dest}
+    for name in groups & set(init_args):
+        if not isinstance(init_args[name], Mapping):
+            fields = ", ".join(_arguments(parser, name))
+            raise ConfigError(
+                f"{key}.init_args.{name}: expected a mapping of its fields ({fields}) for "
+                f"{class_path}, got {init_args[name]!r}"
+            )
+
+
+_TYPE_NAMES = {"int": "an int", "float": "a float", "str": "a string", "bool": "true or false"}
+
+
+def _one_line(
+    message: str, parser: ArgumentParser, init_args: Mapping[str, Any], key: str, class_path: str
+) -> str:
+    """jsonargparse's (multi-line) parse error as one line naming the key path."""
+    where = f"{key}.init_args"
+    if match := re.match(r"Option '([^']+)' is not accepted", message):
+        arguments = ", ".join(_arguments(parser))
+        return (
+            f"{where}.{match[1]}: no such argument of {class_path} (its arguments: "
+            f"{arguments}); remove or rename it"
+        )
+    if match := re.match(r"Group '([^']+)' does not accept option '([^']+)'", message):
+        fields = ", ".join(_arguments(parser, match[1]))
+        return (
+            f"{where}.{match[1]}.{match[2]}: no such field (its fields: {fields}); remove or "
+            "rename it"
+        )
+    if match := re.match(r"the following arguments are required: (.+)", message):
+        return (
+            f"{where}: {class_path} needs {match[1].strip()}, which have no default; add them "
+            f"under {where}"
+        )
+    if match := re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.DOTALL):
+        value = _lookup(init_args, match[1])
+        expected = re.match(r"Expected a <class '(\w+)'>", match[2])
+        if expected and value is not _MISSING:
+            kind = _TYPE_NAMES.get(expected[1], f"a {expected[1]}")
+            return f"{where}.{match[1]}: expected {kind}, got {value!r}"
+        return f"{where}.{match[1]}: {' '.join(match[2].split())}"
+    return f"{where}: {' '.join(message.split())} ({class_path})"
+
+
+_MISSING = object()
+
+
+def _lookup(tree: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _code_list(code: Any, key: str) -> tuple[str, ...]:
+    if code is None:
+        return ()
+    if not isinstance(code, list) or not all(isinstance(item, str) and item for item in code):
+        raise ConfigError(
+            f"{key}.code: expected a list of files or folders, got {code!r}; write e.g. "
+            f"{key}.code: [src/mypkg, configs/vocab.txt]"
+        )
+    return tuple(code)
+
+
+def code_files(component: ResolvedComponent, root: Path | None = None) -> list[Path]:
+    """The files whose bytes decide what ``component`` computes, sorted.
+
+    Every ``.py`` under the top-level package its class lives in (the module
+    alone when it is not in a package); for ``reprotrain``'s own classes, the
+    module's import closure, the rule the stages' own code hash follows; none
+    for a class installed in site-packages (the lock pins it). Then each entry
+    of the section's ``code:`` list, relative to ``root`` (the repository root,
+    where DVC runs the stages; the working directory by default): a file, or
+    every file under a folder.
+    """
+    root = Path.cwd() if root is None else root
+    top = component.cls.__module__.split(".")[0]
+    files: set[Path] = set()
+    if top == "reprotrain":
+        files.update(source_files(component.cls.__module__))
+    else:
+        spec = importlib.util.find_spec(top)
+        origin = Path(spec.origin) if spec and spec.origin else None
+        if origin is not None and origin.is_file() and not _installed(origin):
+            if spec.submodule_search_locations:
+                for folder in spec.submodule_search_locations:
+                    files.update(_tree(Path(folder), "*.py"))
+            else:
+                files.add(origin.resolve())
+    for index, entry in enumerate(component.code):
+        path = root / entry
+        if path.is_file():
+            files.add(path.resolve())
+        elif path.is_dir():
+            files.update(_tree(path, "*"))
+        else:
+            raise ConfigError(
+                f"{component.key}.code[{index}]: {entry!r} not found under {root}; list paths "
+                "relative to the repository root"
+            )
+    return sorted(files)
+
+
+def _tree(folder: Path, pattern: str) -> list[Path]:
+    """Files under ``folder`` matching ``pattern``, less bytecode caches."""
+    return [
+        path.resolve()
+        for path in folder.rglob(pattern)
+        if path.is_file() and "__pycache__" not in path.parts
+    ]
+
+
+def _installed(path: Path) -> bool:
+    """Whether ``path`` lies in a site-packages folder (so the lock pins it)."""
+    folders = {sysconfig.get_paths()[name] for name in ("purelib", "platlib")}
+    folders.update(site.getsitepackages())
+    folders.add(site.getusersitepackages())
+    resolved = path.resolve()
+    return any(resolved.is_relative_to(Path(folder).resolve()) for folder in folders)

@@ -1,0 +1,227 @@
+"""``{class_path, init_args}`` sections: resolved by jsonargparse, one-line errors, code hashed.
+
+A user's package is written under ``tmp_path`` (outside ``src/reprotrain``)
+and put on ``sys.path``, as a user's project would be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import lightning as L
+import pytest
+import yaml
+
+from reprotrain.hashing import canonical_json
+from reprotrain.pipeline.config import ConfigError, ModelConfig
+from reprotrain.pipeline.recipe import ResolvedComponent, code_files, resolve_component
+from reprotrain.provenance.identity import code_hash
+
+CLASSIFIER = "reprotrain.pipeline.model.Classifier"
+FROM_DATA = ("input_shape", "num_classes")  # the pipeline's, from the prepared data
+
+USER_MODEL = '''\
+"""A user's flat LightningModule, shaped as the digits CNN is meant to become."""
+
+import lightning as L
+from torch import nn
+
+from usernet.layers import head
+
+
+class Net(L.LightningModule):
+    def __init__(
+        self, num_classes: int, channels: int = 16, hidden: int = 64, dropout: float = 0.25
+    ) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), head(64 * channels, hidden, num_classes, dropout))
+
+
+class NeedsWidth(L.LightningModule):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+
+
+class NotAModule:
+    pass
+'''
+
+USER_LAYERS = """\
+from torch import nn
+
+
+def head(inputs: int, hidden: int, classes: int, dropout: float) -> nn.Module:
+    scale = 1  # a line the code-hash test edits
+    layers = [nn.Linear(inputs, hidden * scale), nn.Dropout(dropout)]
+    return nn.Sequential(*layers, nn.Linear(hidden * scale, classes))
+"""
+
+USER_DATA = """\
+import lightning as L
+
+
+class Digits(L.LightningDataModule):
+    def __init__(self, batch_size: int = 64, augment: bool = True) -> None:
+        super().__init__()
+"""
+
+
+@pytest.fixture
+def user_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """``usernet`` (model, layers, data) under ``tmp_path/project/src``, importable."""
+    package = tmp_path / "project" / "src" / "usernet"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "model.py").write_text(USER_MODEL)
+    (package / "layers.py").write_text(USER_LAYERS)
+    (package / "data.py").write_text(USER_DATA)
+    monkeypatch.syspath_prepend(str(package.parent))
+    importlib.invalidate_caches()
+    yield package
+    for name in [n for n in sys.modules if n == "usernet" or n.startswith("usernet.")]:
+        del sys.modules[name]
+
+
+def _model(section: dict, provided: tuple[str, ...] = ("num_classes",)) -> ResolvedComponent:
+    return resolve_component(section, "model", L.LightningModule, provided)
+
+
+def _error(section: object, base: type = L.LightningModule, provided: tuple = FROM_DATA) -> str:
+    key = "data" if base is L.LightningDataModule else "model"
+    with pytest.raises(ConfigError) as caught:
+        resolve_component(section, key, base, provided)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_builtin_classifier_resolves_with_every_default_filled_in() -> None:
+    resolved = _model({"class_path": CLASSIFIER}, FROM_DATA)
+    assert resolved.init_args["model"] == dataclasses.asdict(ModelConfig())
+    assert resolved.init_args["train"]["optimizer"] == "adam"
+    assert set(resolved.init_args) == {"model", "train"}  # FROM_DATA left to the pipeline
+    canonical_json(resolved.record())  # plain JSON: the run record can carry it
+    network = resolved.instantiate(input_shape=(1, 8, 8), num_classes=10).net
+    assert network[7].out_features == 64
+
+
+def test_an_override_reaches_the_resolved_args_and_the_built_object(user_package: Path) -> None:
+    """As ``dvc exp run -S model.init_args.hidden=128`` writes it into params.yaml."""
+    params = yaml.safe_load("model:\n  class_path: usernet.model.Net\n  init_args: {}\n")
+    params["model"]["init_args"]["hidden"] = yaml.safe_load("128")
+    resolved = _model(params["model"])
+    assert resolved.init_args == {"channels": 16, "hidden": 128, "dropout": 0.25}
+    assert resolved.instantiate(num_classes=10).net[1][0].out_features == 128
+    default = _model({"class_path": "usernet.model.Net"})
+    assert default.init_args["hidden"] == 64  # negative control: the override made the change
+
+
+def test_a_pasted_lightningcli_data_section_resolves(user_package: Path) -> None:
+    section = {"class_path": "usernet.data.Digits", "init_args": {"batch_size": 32}}
+    resolved = resolve_component(section, "data", L.LightningDataModule)
+    assert resolved.record() == {
+        "class_path": "usernet.data.Digits",
+        "init_args": {"batch_size": 32, "augment": True},
+    }
+
+
+def test_a_misspelt_argument_is_one_line_naming_the_key_and_the_arguments() -> None:
+    message = _error({"class_path": CLASSIFIER, "init_args": {"hiddn": 128}})
+    assert message == (
+        "model.init_args.hiddn: no such argument of reprotrain.pipeline.model.Classifier "
+        "(its arguments: model, train); remove or rename it"
+    )
+    nested = _error({"class_path": CLASSIFIER, "init_args": {"model": {"hiddn": 128}}})
+    assert nested.startswith("model.init_args.model.hiddn: no such field (its fields: channels,")
+
+
+def test_a_class_that_cannot_be_imported_is_one_line() -> None:
+    message = _error({"class_path": "mypkg.Net"})
+    assert message.startswith("model.class_path: cannot import 'mypkg.Net' (No module named")
+    missing = _error({"class_path": "reprotrain.pipeline.model.Nope"})
+    assert missing.startswith("model.class_path: module 'reprotrain.pipeline.model' has no 'Nope'")
+    assert _error({"class_path": "Net"}).startswith("model.class_path: expected a dotted path")
+
+
+def test_a_wrong_type_is_one_line_naming_the_key(user_package: Path) -> None:
+    section = {"class_path": "usernet.model.Net", "init_args": {"hidden": "abc"}}
+    assert _error(section, provided=("num_classes",)) == (
+        "model.init_args.hidden: expected an int, got 'abc'"
+    )
+    nested = {"class_path": CLASSIFIER, "init_args": {"model": {"dropout": "x"}}}
+    assert _error(nested) == "model.init_args.model.dropout: expected a float, got 'x'"
+    scalar = {"class_path": CLASSIFIER, "init_args": {"model": 3}}
+    assert _error(scalar).startswith("model.init_args.model: expected a mapping of its fields")
+
+
+def test_a_class_of_the_wrong_kind_is_refused(user_package: Path) -> None:
+    assert _error({"class_path": "usernet.model.NotAModule"}) == (
+        "model.class_path: usernet.model.NotAModule is not a LightningModule; name a subclass "
+        "of lightning's LightningModule"
+    )
+    as_data = _error({"class_path": "usernet.model.Net"}, L.LightningDataModule, ())
+    assert as_data.startswith("data.class_path: usernet.model.Net is not a LightningDataModule")
+
+
+def test_a_missing_required_argument_or_a_pipeline_argument_is_one_line(
+    user_package: Path,
+) -> None:
+    message = _error({"class_path": "usernet.model.NeedsWidth"}, provided=())
+    assert message.startswith("model.init_args: usernet.model.NeedsWidth needs width")
+    set_twice = {"class_path": CLASSIFIER, "init_args": {"num_classes": 3}}
+    assert _error(set_twice).startswith("model.init_args.num_classes: set by the pipeline")
+
+
+def test_a_malformed_section_is_one_line() -> None:
+    assert _error({"init_args": {}}).startswith("model: expected a mapping with class_path")
+    extra = _error({"class_path": CLASSIFIER, "dict_kwargs": {}})
+    assert extra.startswith("model.dict_kwargs: unknown key")
+    assert _error({"class_path": CLASSIFIER, "init_args": [1]}).startswith("model.init_args:")
+    assert _error({"class_path": CLASSIFIER, "code": "src"}).startswith("model.code: expected")
+
+
+def test_code_files_are_the_user_package(user_package: Path) -> None:
+    files = code_files(_model({"class_path": "usernet.model.Net"}))
+    names = ["__init__.py", "data.py", "layers.py", "model.py"]
+    assert files == [user_package.resolve() / name for name in names]
+
+
+def test_a_one_line_edit_to_user_code_moves_the_code_hash_and_restoring_restores_it(
+    user_package: Path,
+) -> None:
+    resolved = _model({"class_path": "usernet.model.Net"})
+    root = user_package.parents[1].resolve()
+    layers = user_package / "layers.py"
+    before = code_hash(code_files(resolved), root)
+    assert code_hash(code_files(resolved), root) == before
+    layers.write_text(USER_LAYERS.replace("scale = 1", "scale = 2"))
+    edited = code_hash(code_files(resolved), root)
+    layers.write_text(USER_LAYERS)
+    assert edited != before
+    assert code_hash(code_files(resolved), root) == before
+
+
+def test_a_code_list_adds_files_and_a_missing_entry_is_one_line(user_package: Path) -> None:
+    project = user_package.parents[1]
+    (project / "configs").mkdir()
+    (project / "configs" / "vocab.txt").write_text("a b c\n")
+    section = {"class_path": "usernet.model.Net", "code": ["configs"]}
+    files = code_files(_model(section), root=project)
+    assert (project / "configs" / "vocab.txt").resolve() in files
+    missing = _model({"class_path": "usernet.model.Net", "code": ["nowhere.py"]})
+    with pytest.raises(ConfigError, match=r"^model\.code\[0\]: 'nowhere\.py' not found under "):
+        code_files(missing, root=project)
+
+
+def test_installed_third_party_classes_add_no_code_and_reprotrain_adds_its_imports() -> None:
+    """The lock pins site-packages; reprotrain's own classes follow the stages' rule."""
+    boring = _model({"class_path": "lightning.pytorch.demos.boring_classes.BoringModel"}, ())
+    assert code_files(boring) == []
+    classifier = code_files(_model({"class_path": CLASSIFIER}, FROM_DATA))
+    relative = {path.as_posix().split("src/reprotrain/")[-1] for path in classifier}
+    assert {"pipeline/model.py", "pipeline/config.py"} <= relative
+    assert "pipeline/recipe.py" not in relative
