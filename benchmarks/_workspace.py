@@ -43,7 +43,7 @@ def train_workspace(params: Params) -> Iterator[argparse.Namespace]:
     """Yield the `train` stage's arguments, pointing into a prepared temporary folder."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        x, y, source = load_raw(params.data.source, work)
+        x, y, source = load_raw(params.prepare.source, work)
         save_prepared(
             work / "data.safetensors", prepare.split(x, y, params.data, params.seed, source)
         )

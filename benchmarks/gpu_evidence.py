@@ -111,7 +111,7 @@ class Evidence:
         run.mkdir()
         sets = [f"train.accelerator={self.accelerator}", f"train.max_epochs={EPOCHS[self.quick]}"]
         if self.quick:
-            sets.append("data.num_workers=0")
+            sets.append("data.init_args.num_workers=0")
         result = self.cli(
             "train",
             *("--data", self.work / "data.safetensors", "--env", self.work / "env.json"),

@@ -40,19 +40,19 @@ def main() -> None:
         time_training(cli.train, cli.set)
         return
     common = ["train.strategy=ddp", "train.devices=2", f"train.max_epochs={cli.epochs}"]
-    # Plain DDP's data.batch_size is per rank; the mode's is the global batch.
+    # Plain DDP's data.init_args.batch_size is per rank; the mode's is the global batch.
     modes = {
-        "plain DDP": [f"data.batch_size={cli.batch // 2}"],
+        "plain DDP": [f"data.init_args.batch_size={cli.batch // 2}"],
         **{
             f"invariant, micro {micro}": [
-                f"data.batch_size={cli.batch}",
+                f"data.init_args.batch_size={cli.batch}",
                 "train.world_size_invariant=true",
                 f"train.micro_batch_size={micro}",
             ]
             for micro in (cli.batch // 2, cli.batch // 4)
         },
     }
-    models = {"default model": [], "~10M-parameter model": [f"model.hidden={HIDDEN_10M}"]}
+    models = {"default model": [], "~10M-parameter model": [f"model.init_args.hidden={HIDDEN_10M}"]}
     if cli.models != "both":
         models = dict([list(models.items())[cli.models == "10m"]])
     times: dict[tuple[str, str], list[float]] = {(m, k): [] for m in models for k in modes}

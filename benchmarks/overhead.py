@@ -55,9 +55,9 @@ def main() -> None:
             module = Classifier(params.model, params.train, data.input_shape, data.num_classes)
             datamodule = PreparedDataModule(
                 data,
-                params.data.batch_size,
-                params.data.num_workers,
-                params.data.augment,
+                params.data.init_args.batch_size,
+                params.data.init_args.num_workers,
+                params.data.init_args.augment,
                 params.seed,
             )
             L.Trainer(

@@ -255,9 +255,9 @@ def main() -> None:
             )
             data = PreparedDataModule(
                 prepared,
-                params.data.batch_size,
+                params.data.init_args.batch_size,
                 cli.workers,
-                params.data.augment,
+                params.data.init_args.augment,
                 params.seed,
             )
             return module, data

@@ -158,7 +158,7 @@ def test_the_failure_line_is_the_last_tracebacks_end_or_a_named_exception() -> N
 def test_pipeline_options_are_refused_with_a_command_and_command_options_without(
     tmp_path: Path,
 ) -> None:
-    done = _verify(tmp_path, "--jobs", "2", "-S", "train.lr=0.1")
+    done = _verify(tmp_path, "--jobs", "2", "-S", "model.init_args.lr=0.1")
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert done.stderr.startswith("reprotrain: error: --jobs, -S: not with `-- CMD`")
     assert not (tmp_path / "runs").exists()  # refused before any run

@@ -48,7 +48,7 @@ class Case:
     expect: str
     params: Mapping[str, Any] = field(default_factory=dict)
     text: str | None = None  # params.yaml's whole text instead of ``params``
-    npz: Mapping[str, np.ndarray] | None = None  # data/raw/user.npz, with data.source set
+    npz: Mapping[str, np.ndarray] | None = None  # data/raw/user.npz, with prepare.source set
     raw: bytes | None = None  # data/raw/user.npz's bytes
     mount: tuple[str, str] | None = None  # (folder, "ro" or a tmpfs size)
     argv: tuple[str, ...] = DVC_REPRO
@@ -74,35 +74,35 @@ CATALOG: dict[str, Case] = {
     **_values("deterministic", "maybe"),
     **_values("cpu.profile", "fast"),
     **_values("cpu.threads", 0),
-    **_values("data.source", 5),
-    **_values("data.val_fraction", 0),
-    **_values("data.test_fraction", 1.2),
-    **_values("data.batch_size", "64", 0),
-    **_values("data.num_workers", -1),
-    **_values("data.augment", "yes"),
-    **_values("model.channels", 0),
-    **_values("model.hidden", 2.5),
-    **_values("model.dropout", 1.5),
+    **_values("prepare.source", 5),
+    **_values("prepare.val_fraction", 0),
+    **_values("prepare.test_fraction", 1.2),
+    **_values("data.init_args.batch_size", "64", 0),
+    **_values("data.init_args.num_workers", -1),
+    **_values("data.init_args.augment", "yes"),
+    **_values("model.init_args.channels", 0),
+    **_values("model.init_args.hidden", 2.5),
+    **_values("model.init_args.dropout", 1.5),
     **_values("train.max_epochs", 0),
     **_values("train.checkpoint_every_n_epochs", 0),
     **_values("train.trace", "partial"),
-    **_values("train.optimizer", "lbfgs"),
-    **_values("train.lr", 0),
-    **_values("train.weight_decay", -0.1),
+    **_values("model.init_args.optimizer", "lbfgs"),
+    **_values("model.init_args.lr", 0),
+    **_values("model.init_args.weight_decay", -0.1),
     **_values("train.accelerator", "auto"),
     **_values("train.strategy", "fsdp"),
     **_values("train.precision", "8-bit"),
     **_values("train.num_nodes", 0),
     # params.yaml: rules across keys, and what the machine lacks.
     "fractions add to 1": Case(
-        "data.val_fraction + data.test_fraction",
-        {"data.val_fraction": 0.5, "data.test_fraction": 0.5},
+        "prepare.val_fraction + prepare.test_fraction",
+        {"prepare.val_fraction": 0.5, "prepare.test_fraction": 0.5},
     ),
     "two devices, one process": Case("train.strategy", {"train.devices": 2}),
     "gpu without CUDA": Case("train.accelerator", {"train.accelerator": "gpu"}),
-    "unknown source": Case("data.source", {"data.source": "nope.csv"}),
-    "source outside data/raw": Case("resolves outside", {"data.source": "../outside.npz"}),
-    "source missing": Case("user.npz: not found", {"data.source": "user.npz"}),
+    "unknown source": Case("prepare.source", {"prepare.source": "nope.csv"}),
+    "source outside data/raw": Case("resolves outside", {"prepare.source": "../outside.npz"}),
+    "source missing": Case("user.npz: not found", {"prepare.source": "user.npz"}),
     # params.yaml: its structure.
     "missing key": Case("missing key 'seed'", {"seed": DELETE}),
     "missing section": Case("missing key 'model'", {"model": DELETE}),
@@ -115,7 +115,7 @@ CATALOG: dict[str, Case] = {
     # dvc exp run -S: DVC writes the value into params.yaml, then runs the stages.
     **{
         f"dvc exp run -S {item}": Case(item.split("=")[0], argv=("dvc", "exp", "run", "-S", item))
-        for item in ("model.dropout=1.5", "train.lr=-1", "seed=abc")
+        for item in ("model.init_args.dropout=1.5", "model.init_args.lr=-1", "seed=abc")
     },
     # The raw data file.
     "npz with NaN": Case("x contains NaN", npz={"x": np.full((30, 4, 4), np.nan), "y": _y()}),
@@ -196,7 +196,7 @@ def _in_mount(folder: str, how: str, argv: tuple[str, ...]) -> list[str]:
 def _break(repo: Path, case: Case) -> None:
     params = dict(case.params)
     if case.npz is not None or case.raw is not None:
-        params["data.source"] = "user.npz"
+        params["prepare.source"] = "user.npz"
         target = repo / "data/raw/user.npz"
         if case.npz is not None:
             np.savez(target, **case.npz)

@@ -25,7 +25,7 @@ def _defaults() -> dict:
 def test_shipped_params_yaml_loads_into_frozen_config(repo_root: Path) -> None:
     params = load_params(repo_root / "params.yaml")
     assert isinstance(params, Params)
-    assert params.data.num_workers == 2
+    assert params.data.init_args["num_workers"] == 2
     with pytest.raises(dataclasses.FrozenInstanceError):
         params.seed = 1  # type: ignore[misc]
 
@@ -51,22 +51,22 @@ _DELETE = DELETE
         ("colour", "red", "unknown key 'colour'"),
         ("train.momentum", 0.9, "unknown key 'train.momentum'"),
         ("seed", _DELETE, "missing key 'seed'"),
-        ("train.lr", _DELETE, "missing key 'train.lr'"),
+        ("model.init_args.lr", _DELETE, "missing key 'model.init_args.lr'"),
         ("seed", "forty-two", "seed: got 'forty-two'; expected an integer"),
         ("seed", True, "seed: got True; expected an integer"),
         ("seed", 1.5, "seed: got 1.5; expected an integer"),
         ("seed", -1, "seed: got -1; expected an integer >= 0 and <= 4294967295"),
         ("seed", 2**32, "seed: got 4294967296"),
-        ("train.lr", 0, "train.lr: got 0; expected a number > 0"),
-        ("train.lr", "fast", "train.lr: got 'fast'"),
-        ("data.num_workers", -1, "data.num_workers: got -1"),
-        ("data.augment", "yes", "data.augment: got 'yes'; expected true or false"),
+        ("model.init_args.lr", 0, "model.init_args.lr: got 0; expected a number > 0"),
+        ("model.init_args.lr", "fast", "model.init_args.lr: got 'fast'"),
+        ("data.init_args.num_workers", -1, "data.init_args.num_workers: got -1"),
+        ("data.init_args.augment", "yes", "data.init_args.augment: got 'yes'; expected true or false"),
         ("deterministic", "maybe", "deterministic: got 'maybe'; expected one of true, false, warn"),
         ("deterministic", 1, "deterministic: got 1"),
         ("train.accelerator", "auto", "train.accelerator: got 'auto'; expected one of cpu, gpu"),
         ("train.precision", "8-bit", "train.precision: got '8-bit'"),
         ("model", 3, "model: expected a mapping"),
-        ("data.val_fraction", 0.9, "data.val_fraction + data.test_fraction must be below 1"),
+        ("prepare.val_fraction", 0.9, "prepare.val_fraction + prepare.test_fraction must be below 1"),
     ],
 )
 def test_bad_value_names_the_key(key: str, value: object, expected: str) -> None:
@@ -78,14 +78,14 @@ def test_bad_value_names_the_key(key: str, value: object, expected: str) -> None
 
 
 def test_float_fields_accept_integers() -> None:
-    assert parse_params(_with("train.lr", 1)).train.lr == 1.0
+    assert parse_params(_with("model.init_args.lr", 1)).model.init_args.lr == 1.0
 
 
 def test_overrides_apply_with_yaml_types(tmp_path: Path, repo_root: Path) -> None:
     params = load_params(
-        repo_root / "params.yaml", ["seed=7", "train.lr=0.01", "deterministic=warn"]
+        repo_root / "params.yaml", ["seed=7", "model.init_args.lr=0.01", "deterministic=warn"]
     )
-    assert (params.seed, params.train.lr, params.deterministic) == (7, 0.01, "warn")
+    assert (params.seed, params.model.init_args.lr, params.deterministic) == (7, 0.01, "warn")
 
 
 @pytest.mark.parametrize("item", ["train.momentum=1", "nokey", "data=3"])
@@ -104,10 +104,10 @@ def test_malformed_yaml_names_file_and_line(tmp_path: Path) -> None:
 _CLI_BAD = {
     "malformed_yaml": ("seed: 42\ndata: [unclosed\n", "params.yaml: not valid YAML (line 3)"),
     "unknown_key": (yaml.safe_dump(_with("colour", "red")), "unknown key 'colour'"),
-    "missing_key": (yaml.safe_dump(_with("train.lr", _DELETE)), "missing key 'train.lr'"),
+    "missing_key": (yaml.safe_dump(_with("model.init_args.lr", _DELETE)), "missing key 'model.init_args.lr'"),
     "wrong_type": (
-        yaml.safe_dump(_with("train.lr", -0.5)),
-        "params.yaml: train.lr: got -0.5; expected a number > 0 and <= 10",
+        yaml.safe_dump(_with("model.init_args.lr", -0.5)),
+        "params.yaml: model.init_args.lr: got -0.5; expected a number > 0 and <= 10",
     ),
 }
 

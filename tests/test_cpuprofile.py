@@ -21,7 +21,7 @@ from reprotrain.provenance.environment import bit_deciding, capture_environment
 from tests.helpers import ROOT, run_checked, run_cli, run_in_process, train_argv
 
 LOCK = ROOT / "requirements-cpu.lock"
-SHORT = ("-S", "train.max_epochs=1", "-S", "data.num_workers=0")
+SHORT = ("-S", "train.max_epochs=1", "-S", "data.init_args.num_workers=0")
 #: A CPU of about 2010 (SSE4.2, no AVX) as each library would see it; ATen's variable
 #: contradicts the profile, so those runs use deterministic: warn (the profile wins).
 OLD_CPU = {"ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}

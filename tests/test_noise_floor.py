@@ -35,7 +35,7 @@ def noise_floor(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> tup
     result = run_cli(
         "noise-floor",
         *("--runs", "2", "--workdir", work, "--out", out),
-        *("-S", "train.max_epochs=1", "-S", "data.num_workers=0"),
+        *("-S", "train.max_epochs=1", "-S", "data.init_args.num_workers=0"),
         cwd=repo,
     )
     assert result.returncode == 0, result.stdout + result.stderr

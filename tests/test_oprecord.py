@@ -116,7 +116,7 @@ def test_under_torch_compile_dynamo_does_not_trace_the_recorder(tmp_path: Path) 
 
 def _fit_weights(prepared: Path) -> tuple[str, list[str]]:
     """The train stage's fit for one epoch: sha256 of the weights, names of its callbacks."""
-    params = load_params(ROOT / "params.yaml", ["train.max_epochs=1", "data.num_workers=0"])
+    params = load_params(ROOT / "params.yaml", ["train.max_epochs=1", "data.init_args.num_workers=0"])
     settings = configure_determinism(params.seed, params.deterministic)
     module, _ = fit(params, load_prepared(prepared), settings)
     names = [type(c).__name__ for c in module.trainer.callbacks]

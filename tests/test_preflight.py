@@ -65,7 +65,7 @@ USER_DATA = {
 def test_bad_user_data_is_one_data_error_naming_the_file(tmp_path: Path, case: str) -> None:
     arrays, expected = USER_DATA[case]
     raw = _raw(tmp_path, **arrays)
-    params = load_params(_params(tmp_path, **{"data.source": "user.npz"}))
+    params = load_params(_params(tmp_path, **{"prepare.source": "user.npz"}))
     with pytest.raises(DataError, match=r"user\.npz") as caught:
         preflight(params, raw, gpus=[])
     assert expected in str(caught.value) and "\n" not in str(caught.value)
@@ -77,11 +77,11 @@ def test_a_source_outside_the_raw_folder_is_refused(tmp_path: Path) -> None:
     inside.mkdir()
     (inside / "link.npz").symlink_to(tmp_path / "raw" / "outside.npz")
     for source in ("../outside.npz", "link.npz"):
-        params = load_params(_params(tmp_path, **{"data.source": source}))
+        params = load_params(_params(tmp_path, **{"prepare.source": source}))
         with pytest.raises(DataError, match="resolves outside"):
             preflight(params, inside, gpus=[])
     # Negative control: the same file inside the folder is accepted.
-    params = load_params(_params(tmp_path, **{"data.source": "outside.npz"}))
+    params = load_params(_params(tmp_path, **{"prepare.source": "outside.npz"}))
     assert "20 samples" in preflight(params, tmp_path / "raw", gpus=[])
 
 
@@ -97,21 +97,21 @@ def test_a_gpu_asked_for_where_none_is_visible_is_refused(tmp_path: Path) -> Non
 
 
 def test_memory_estimate_grows_with_the_batch(tmp_path: Path) -> None:
-    small = load_params(_params(tmp_path, **{"data.batch_size": 8}))
-    large = load_params(_params(tmp_path, **{"data.batch_size": 4096}))
+    small = load_params(_params(tmp_path, **{"data.init_args.batch_size": 8}))
+    large = load_params(_params(tmp_path, **{"data.init_args.batch_size": 4096}))
     assert training_bytes(large, (1, 64, 64), 10) > training_bytes(small, (1, 64, 64), 10)
 
 
 def test_env_stage_cli_refuses_bad_params_and_keeps_its_record(tmp_path: Path) -> None:
     out = tmp_path / "environment.json"
     out.write_text("previous record")
-    _params(tmp_path, **{"model.dropout": 1.5})
+    _params(tmp_path, **{"model.init_args.dropout": 1.5})
     lock = ROOT / "requirements-cpu.lock"
     cmd = ["reprotrain", "env", "--lock", str(lock), "--raw-dir", "raw", "--out", str(out)]
     (tmp_path / "raw").mkdir()
     env = cli_env()
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert result.returncode == 2 and "model.dropout" in result.stderr
+    assert result.returncode == 2 and "model.init_args.dropout" in result.stderr
     assert out.read_text() == "previous record"
     _params(tmp_path)
     ok = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)

@@ -53,10 +53,10 @@ def _npz(path: Path, **arrays: np.ndarray) -> None:
 def test_user_npz_is_validated_and_split(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     _npz(tmp_path / "mine.npz", x=rng.random((40, 6, 6)), y=rng.integers(0, 3, 40))
-    result = _prepare_fast(tmp_path, "-S", "data.source=mine.npz")
+    result = _prepare_fast(tmp_path, "-S", "prepare.source=mine.npz")
     assert result.returncode == 0, result.stderr
     data = load_prepared(tmp_path / "out.safetensors")
-    assert data.input_shape == (1, 6, 6) and data.source == "mine.npz"
+    assert data.input_shape == (1, 6, 6) and prepare.source == "mine.npz"
     assert sum(len(data.split(s)[1]) for s in ("train", "val", "test")) == 40
 
 
@@ -75,7 +75,7 @@ BAD = {
 def test_bad_user_data_exit_2_naming_the_file(tmp_path: Path, case: str) -> None:
     arrays, expected = BAD[case]
     _npz(tmp_path / "bad.npz", **arrays)
-    result = _prepare_fast(tmp_path, "-S", "data.source=bad.npz")
+    result = _prepare_fast(tmp_path, "-S", "prepare.source=bad.npz")
     assert result.returncode == 2
     assert expected in result.stderr and "bad.npz" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -83,11 +83,11 @@ def test_bad_user_data_exit_2_naming_the_file(tmp_path: Path, case: str) -> None
 
 
 def test_missing_and_truncated_files_are_refused(tmp_path: Path) -> None:
-    missing = _prepare_fast(tmp_path, "-S", "data.source=absent.npz")
+    missing = _prepare_fast(tmp_path, "-S", "prepare.source=absent.npz")
     assert missing.returncode == 2 and "absent.npz: not found" in missing.stderr
     _npz(tmp_path / "cut.npz", x=np.zeros((10, 4, 4)), y=np.zeros(10, int))
     blob = (tmp_path / "cut.npz").read_bytes()
     (tmp_path / "cut.npz").write_bytes(blob[: len(blob) // 2])
-    truncated = _prepare_fast(tmp_path, "-S", "data.source=cut.npz")
+    truncated = _prepare_fast(tmp_path, "-S", "prepare.source=cut.npz")
     assert truncated.returncode == 2 and "not a readable .npz" in truncated.stderr
     assert not (tmp_path / "out.safetensors").exists()

@@ -36,11 +36,11 @@ def test_same_inputs_give_the_same_run_id(inputs_for) -> None:
 
 
 def test_one_param_changes_the_run_id(inputs_for) -> None:
-    assert run_id(inputs_for(["train.lr=0.004"])) != run_id(inputs_for())
+    assert run_id(inputs_for(["model.init_args.lr=0.004"])) != run_id(inputs_for())
 
 
 def test_a_param_train_does_not_read_keeps_the_run_id(inputs_for) -> None:
-    assert run_id(inputs_for(["data.test_fraction=0.2"])) == run_id(inputs_for())
+    assert run_id(inputs_for(["prepare.test_fraction=0.2"])) == run_id(inputs_for())
 
 
 def test_one_data_byte_changes_the_run_id(inputs_for, prepared: Path, tmp_path: Path) -> None:

@@ -153,7 +153,7 @@ def test_a_wrong_type_is_one_line_naming_the_key(user_package: Path) -> None:
         "model.init_args.hidden: expected an int, got 'abc'"
     )
     nested = {"class_path": CLASSIFIER, "init_args": {"model": {"dropout": "x"}}}
-    assert _error(nested) == "model.init_args.model.dropout: expected a float, got 'x'"
+    assert _error(nested) == "model.init_args.model.init_args.dropout: expected a float, got 'x'"
     scalar = {"class_path": CLASSIFIER, "init_args": {"model": 3}}
     assert _error(scalar).startswith("model.init_args.model: expected a mapping of its fields")
 

@@ -51,7 +51,7 @@ pytestmark = pytest.mark.usefixtures("restore_torch_flags")
 def _fit(prepared: Path, epochs: int, run_dir: Path, resume=None, random_state=True) -> str:
     overrides = [
         f"train.max_epochs={epochs}",
-        "data.num_workers=0",
+        "data.init_args.num_workers=0",
         "train.checkpoint_every_n_epochs=1",
     ]
     params = load_params(ROOT / "params.yaml", overrides)

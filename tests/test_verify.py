@@ -145,9 +145,9 @@ def test_gpu_twin_two_fresh_gpu_trainings_give_identical_bits(
 def test_verify_that_fails_leaves_no_temporary_folder(repo_copy: Path, tmp_path: Path) -> None:
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    result = run_cli("verify", "-S", "model.dropout=1.5", cwd=repo_copy, TMPDIR=str(scratch))
+    result = run_cli("verify", "-S", "model.init_args.dropout=1.5", cwd=repo_copy, TMPDIR=str(scratch))
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "model.dropout" in result.stderr
+    assert "model.init_args.dropout" in result.stderr
     assert not list(scratch.glob("reprotrain-verify-*"))
 
 

@@ -11,7 +11,7 @@ an exit code when it printed its own output. Commands that train or
 configure determinism (``restarts``) first restart the interpreter with
 ``PYTHONHASHSEED`` fixed, before torch is imported. Commands that read
 ``params.yaml`` load it once and apply overrides (``--seed 7``,
-``--deterministic warn``, ``-S train.lr=0.01``).
+``--deterministic warn``, ``-S model.init_args.lr=0.01``).
 
 Exit codes, each with its meaning in :mod:`reprotrain.commands._exit_codes`:
 0 done; 1 a check failed; 2 bad input, nothing written; 3 the determinism
@@ -92,7 +92,7 @@ def add_param_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deterministic", choices=("true", "false", "warn"), help="override `deterministic`"
     )
-    add_override_option(parser, "override any key, e.g. -S train.lr=0.01 (as in `dvc exp run -S`)")
+    add_override_option(parser, "override any key, e.g. -S model.init_args.lr=0.01 (as in `dvc exp run -S`)")
 
 
 def overrides(args: argparse.Namespace) -> list[str]:

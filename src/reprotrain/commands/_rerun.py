@@ -49,7 +49,8 @@ def rerun_workspace(dvc_yaml: Path, folder: Path | None, command: str) -> Iterat
     command decides whether to keep it (verify keeps runs that differ).
     """
     train_args = stage_arguments("train", dvc_yaml)
-    ensure_prepared(train_args.data, command)
+    for data in train_args.data:
+        ensure_prepared(data, command)
     temporary = folder is None
     folder = folder or Path(tempfile.mkdtemp(prefix=f"reprotrain-{command}-"))
     try:
@@ -65,7 +66,7 @@ def rerun_workspace(dvc_yaml: Path, folder: Path | None, command: str) -> Iterat
 
 
 def ensure_prepared(data: Path, command: str) -> None:
-    """Run ``dvc repro prepare`` if the prepared data file is missing."""
+    """Run ``dvc repro prepare`` if a data file of the train stage is missing."""
     if data.is_file():
         return
     print(f"reprotrain {command}: {data} missing; running `dvc repro prepare`", file=sys.stderr)
@@ -78,7 +79,8 @@ def _train_command(
     train_args: argparse.Namespace, folder: Path, environment: Path, overrides: list[str]
 ) -> list[str]:
     argv = [
-        *("--data", train_args.data, "--env", environment),
+        *(item for data in train_args.data for item in ("--data", data)),
+        *("--env", environment),
         *("--model", folder / FLAT["model"], "--trace", folder / FLAT["trace"]),
         *("--run-record", folder / FLAT["record"], "--metrics", folder / METRICS),
         *("--plots", folder / "plots", "--checkpoints", folder / "checkpoints"),

@@ -23,8 +23,8 @@ from torch.nn import functional as F
 from reprotrain.commands._rerun import ensure_prepared
 from reprotrain.pipeline.command import stage_arguments
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.data import load_prepared
-from reprotrain.pipeline.model import Classifier
+from reprotrain.pipeline.data import first_batches
+from reprotrain.pipeline.recipe import build, resolve_recipe
 
 #: Mode -> (deterministic algorithms and cudnn.deterministic, cudnn.benchmark).
 MODES = {
@@ -98,21 +98,18 @@ def conv_workload(args: argparse.Namespace, device: torch.device) -> tuple[Setup
 def pipeline_workload(
     params: Params, args: argparse.Namespace, device: torch.device
 ) -> tuple[Setup, Batches]:
-    path = args.data
-    if path is None:
-        path = stage_arguments("train", args.dvc_yaml).data
+    """The model and data params names: its first four training batches (in dataset order)."""
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    for path in stage_arguments("train", args.dvc_yaml).data:
         ensure_prepared(path, "bench")
-    data = load_prepared(path)
-    x, y = data.split("train")
-    size = params.data.batch_size
-    batches = [
-        (x[i : i + size].to(device), y[i : i + size].to(device)) for i in range(0, size * 4, size)
-    ]
+    recipe = resolve_recipe(params)
+    source, _, linked = build(recipe)
+    batches = [move_data_to_device(batch, device) for batch in first_batches(source, 4)]
 
     def setup() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(params.seed)
-        module = Classifier(params.model, params.train, data.input_shape, data.num_classes)
-        module = module.to(device)
+        module = recipe.model.instantiate(**linked).to(device)
         return module, module.configure_optimizers()
 
     return setup, batches
@@ -126,16 +123,21 @@ def _sync(device: torch.device) -> None:
 def time_run(
     setup: Setup, batches: Batches, steps: int, warmup: int, device: torch.device
 ) -> float:
-    """Median seconds per training step (forward, backward, optimizer) of one fresh run."""
+    """Median seconds per training step (forward, backward, optimizer) of one fresh run.
+
+    A LightningModule's step is its ``training_step``; a bare network's, cross-entropy.
+    """
     model, optimizer = setup()
     model.train()
+    lightning = hasattr(model, "training_step")
     times = []
     for step in range(warmup + steps):
-        x, y = batches[step % len(batches)]
+        batch = batches[step % len(batches)]
         _sync(device)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        loss = model.training_step(batch, step) if lightning else F.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
         optimizer.step()
         _sync(device)
         if step >= warmup:

@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # torch loads when it measures (commands._steptime), not with
 
     from reprotrain.commands._steptime import Batches, Setup
 
-PARAMS = ("seed", "cpu", "data.batch_size", "model", "train")
+PARAMS = ("seed", "cpu", "data.init_args.batch_size", "model", "train")
 BOOTSTRAP_SAMPLES = 2000
 #: Below this many pairs a bootstrap interval is too coarse to call an effect resolved.
 MIN_PAIRS_FOR_VERDICT = 5
@@ -64,7 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int, default=32, help="conv: image height = width")
     parser.add_argument("--channels", type=int, default=3, help="conv: input channels")
     parser.add_argument("--width", type=int, default=32, help="conv: first layer's channels")
-    parser.add_argument("--data", type=Path, help="prepared data (default: from dvc.yaml)")
     add_dvc_yaml(parser)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
@@ -149,7 +148,7 @@ def run(params: Params, args: argparse.Namespace) -> int:
         for name in names:
             if name == "pipeline":
                 setup, batches = _steptime.pipeline_workload(params, args, device)
-                size = {"batch_size": params.data.batch_size, "model": vars(params.model)}
+                size = {"model": params.model.init_args, "data": params.data.init_args}
             else:
                 setup, batches = _steptime.conv_workload(args, device)
                 size = {

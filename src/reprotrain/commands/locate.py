@@ -1,7 +1,7 @@
 """``reprotrain locate``: name the module that makes the pipeline's training step differ.
 
 After ``reprotrain compare`` blames a kernel, this runs one training step of
-the pipeline's model twice on the same batch (the first ``data.batch_size``
+the pipeline's model twice on the same batch (the first ``data.init_args.batch_size``
 training samples, unaugmented) from the same parameters, under the params'
 determinism settings, and names the first module (path and type) whose
 forward output or gradient differs, using
@@ -29,9 +29,8 @@ from reprotrain.pipeline.config import Params
 if TYPE_CHECKING:  # torch and Lightning load when it runs, not when the CLI reads it
     import torch
 
-    from reprotrain.pipeline.model import Classifier
 
-PARAMS = ("seed", "deterministic", "data.batch_size", "model", "train")
+PARAMS = ("seed", "deterministic", "model", "data", "train")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,19 +56,20 @@ def _training_step(module: Any, batch: Any) -> torch.Tensor:
 def run(params: Params, args: argparse.Namespace) -> int:
     import torch
 
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
     from reprotrain.compare.modules import locate_divergence
-    from reprotrain.pipeline.data import load_prepared
-    from reprotrain.pipeline.model import Classifier
+    from reprotrain.pipeline.data import first_batches
+    from reprotrain.pipeline.recipe import build, resolve_recipe
 
     configure_determinism(params.seed, params.deterministic, params.cpu.to_profile())
-    data = load_prepared(args.data or stage_arguments("train", args.dvc_yaml).data)
     device = torch.device("cuda" if params.train.accelerator == "gpu" else "cpu")
-    x, y = data.split("train")
-    batch = (x[: params.data.batch_size].to(device), y[: params.data.batch_size].to(device))
+    recipe = resolve_recipe(params)
+    source, _, linked = build(recipe)
+    batch = move_data_to_device(first_batches(source, 1)[0], device)
 
-    def make_module() -> Classifier:
-        module = Classifier(params.model, params.train, data.input_shape, data.num_classes)
-        return module.to(device)
+    def make_module() -> Any:
+        return recipe.model.instantiate(**linked).to(device)
 
     result = locate_divergence(make_module, batch, _training_step, seed=params.seed)
     if args.json:

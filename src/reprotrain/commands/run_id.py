@@ -35,10 +35,15 @@ COMMAND = Command(
 
 
 def run(params: Params, args: argparse.Namespace) -> int:
+    from reprotrain.pipeline.recipe import resolve_recipe  # jsonargparse, Lightning
+
     environment = record_environment(stage_arguments("env", args.dvc_yaml).lock)
     settings = configure_determinism(params.seed, params.deterministic, params.cpu.to_profile())
     train_args = stage_arguments("train", args.dvc_yaml)
-    inputs = train.stage_inputs(params, train_args.data, environment, train_args.dvc_lock, settings)
+    recipe = resolve_recipe(params)
+    inputs = train.stage_inputs(
+        params, recipe, train_args.data, environment, train_args.dvc_lock, settings
+    )
     identity = run_id(inputs)
     if args.json:
         print(json.dumps({"run_id": identity, "inputs": inputs}, indent=2, sort_keys=True))

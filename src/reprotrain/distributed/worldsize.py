@@ -138,6 +138,11 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def sample_seed(key: tuple[int, int]) -> int:
+    """A 64-bit seed for one sample's draws, from its sampler key (a hash of both parts)."""
+    return _mix64(_mix64(key[0] & _MASK64) ^ (key[1] & _MASK64))
+
+
 def sample_integers(key: tuple[int, int], low: int, high: int, size: int) -> list[int]:
     """``size`` integers in ``[low, high)`` for one sample, from its sampler key.
 
@@ -146,7 +151,7 @@ def sample_integers(key: tuple[int, int], low: int, high: int, size: int) -> lis
     making a numpy generator costs about 30. The modulo bias is below 2**-60
     for ranges under 16.
     """
-    base = _mix64(_mix64(key[0] & _MASK64) ^ (key[1] & _MASK64))
+    base = sample_seed(key)
     return [low + _mix64(base ^ _mix64(i)) % (high - low) for i in range(size)]
 
 

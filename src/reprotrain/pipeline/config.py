@@ -11,6 +11,7 @@ the whole configuration (``reprotrain params --defaults`` prints one).
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -32,7 +33,9 @@ def _spec(default: Any, help: str, **rules: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class PrepareConfig:
+    """The built-in preparation (stage ``prepare``): raw data -> one prepared tensor file."""
+
     source: str = _spec(
         "digits",
         "'digits' (scikit-learn's bundled 8x8 digits) or the name of an .npz file "
@@ -40,16 +43,45 @@ class DataConfig:
     )
     val_fraction: float = _spec(0.15, "share of samples held out for validation", gt=0, lt=1)
     test_fraction: float = _spec(0.15, "share of samples held out for the test set", gt=0, lt=1)
-    batch_size: int = _spec(64, "training and validation batch size", ge=1, le=65536)
-    num_workers: int = _spec(2, "DataLoader worker processes (each seeded)", ge=0, le=64)
-    augment: bool = _spec(True, "random one-pixel shifts of training images")
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    channels: int = _spec(16, "channels of the first conv layer (the second has twice)", ge=1)
-    hidden: int = _spec(64, "width of the hidden fully connected layer", ge=1)
-    dropout: float = _spec(0.25, "dropout probability (makes random state matter)", ge=0, lt=1)
+class Component:
+    """A class named as LightningCLI names it: ``{class_path, init_args}``, plus ``code``.
+
+    Only the shape is checked here (no import): :mod:`reprotrain.pipeline.recipe`
+    imports the class and type-checks ``init_args`` against its ``__init__``.
+    ``code`` lists more files or folders (relative to the repository root) whose
+    bytes decide what the class computes, beside its package's source.
+    """
+
+    class_path: str
+    init_args: dict[str, Any] = field(default_factory=dict)
+    code: tuple[str, ...] = ()
+
+
+#: The digits recipe (:mod:`reprotrain.recipes.digits`), the default in ``params.yaml``.
+DEFAULT_MODEL = Component(
+    "reprotrain.recipes.digits.Classifier",
+    {
+        "channels": 16,
+        "hidden": 64,
+        "dropout": 0.25,
+        "optimizer": "adam",
+        "lr": 0.005,
+        "weight_decay": 0.0,
+    },
+)
+DEFAULT_DATA = Component(
+    "reprotrain.recipes.digits.DigitsData",
+    {"path": "data/prepared/dataset.safetensors", "batch_size": 64, "num_workers": 2, "augment": True},
+)
+COMPONENT_HELP = {
+    "model": "the LightningModule: class_path and init_args, as in a LightningCLI config "
+    "(docs/your-model.md)",
+    "data": "the LightningDataModule: class_path and init_args (batch_size and num_workers "
+    "among them), as in a LightningCLI config",
+}
 
 
 @dataclass(frozen=True)
@@ -64,9 +96,6 @@ class TrainConfig:
         "weights every 32nd step, 'full' every step and per tensor",
         choices=("default", "full"),
     )
-    optimizer: str = _spec("adam", "optimizer", choices=("adam", "adamw", "sgd"))
-    lr: float = _spec(0.005, "learning rate", gt=0, le=10)
-    weight_decay: float = _spec(0.0, "weight decay", ge=0)
     accelerator: str = _spec("cpu", "where to train; never 'auto'", choices=("cpu", "gpu"))
     devices: int = _spec(
         1, "devices (processes on cpu) per node; more than 1 needs strategy: ddp", ge=1, le=1024
@@ -88,12 +117,12 @@ class TrainConfig:
     world_size_invariant: bool = _spec(
         False,
         "true: the same bits at any world size (1, 2, 4...: a power of two dividing "
-        "data.batch_size / micro_batch_size), via micro-batches added in a fixed tree; the "
+        "data.init_args.batch_size / micro_batch_size), via micro-batches added in a fixed tree; the "
         "world size then leaves the run ID (docs/world-size-invariance.md)",
     )
     micro_batch_size: int = _spec(
         16,
-        "samples per micro-batch under world_size_invariant (must divide data.batch_size); "
+        "samples per micro-batch under world_size_invariant (must divide data.init_args.batch_size); "
         "unused otherwise",
         ge=1,
         le=65536,
@@ -133,9 +162,18 @@ class Params:
         choices=(True, False, "warn"),
     )
     cpu: CpuConfig = field(default_factory=CpuConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    #: Optional: only a pipeline with the built-in ``prepare`` stage has it.
+    prepare: PrepareConfig | None = field(default_factory=PrepareConfig)
+    model: Component = field(default_factory=lambda: DEFAULT_MODEL)
+    data: Component = field(default_factory=lambda: DEFAULT_DATA)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def batch_size(self) -> int | None:
+        """``data.init_args.batch_size`` when params.yaml sets it (the data module's default
+        otherwise, known once the recipe is resolved)."""
+        size = self.data.init_args.get("batch_size")
+        return size if type(size) is int else None
 
     def select(self, keys: Iterable[str]) -> dict[str, Any]:
         """Flat values under dotted ``keys`` (keys or whole sections): ``{"train.lr": 0.005}``."""
@@ -187,10 +225,11 @@ def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
 def parse_params(raw: Mapping[str, Any], source: str = "params") -> Params:
     """Validate a plain mapping into :class:`Params`."""
     params = _build(Params, raw, prefix="", source=source)
-    if params.data.val_fraction + params.data.test_fraction >= 1:
+    prepare = params.prepare
+    if prepare is not None and prepare.val_fraction + prepare.test_fraction >= 1:
         raise ConfigError(
-            f"{source}: data.val_fraction + data.test_fraction must be below 1, got "
-            f"{params.data.val_fraction} + {params.data.test_fraction}; lower one of them"
+            f"{source}: prepare.val_fraction + prepare.test_fraction must be below 1, got "
+            f"{prepare.val_fraction} + {prepare.test_fraction}; lower one of them"
         )
     train = params.train
     if train.devices * train.num_nodes > 1 and train.strategy != "ddp":
@@ -199,20 +238,22 @@ def parse_params(raw: Mapping[str, Any], source: str = "params") -> Params:
             f"{train.devices} x train.num_nodes {train.num_nodes}; set train.strategy: ddp "
             "for more than one device"
         )
-    if train.world_size_invariant:
-        from reprotrain.distributed.worldsize import (
-            invariant_layout_problem,  # torch: only in this mode
-        )
-
-        world = train.devices * train.num_nodes
-        problem = invariant_layout_problem(params.data.batch_size, train.micro_batch_size, world)
-        if problem:
-            raise ConfigError(
-                f"{source}: train.world_size_invariant: {problem} (train.devices x "
-                "train.num_nodes, data.batch_size, train.micro_batch_size); set e.g. "
-                "data.batch_size: 64, train.micro_batch_size: 16 for world sizes 1, 2 and 4"
-            )
+    if train.world_size_invariant and params.batch_size is not None:
+        check_invariant_layout(train, params.batch_size, source)
     return params
+
+
+def check_invariant_layout(train: TrainConfig, batch_size: int, source: str) -> None:
+    """Refuse a world size and batch layout that world-size invariance cannot keep."""
+    from reprotrain.distributed.worldsize import invariant_layout_problem  # torch: this mode only
+
+    world = train.devices * train.num_nodes
+    if problem := invariant_layout_problem(batch_size, train.micro_batch_size, world):
+        raise ConfigError(
+            f"{source}: train.world_size_invariant: {problem} (train.devices x "
+            "train.num_nodes, data.init_args.batch_size, train.micro_batch_size); set e.g. "
+            "batch_size: 64, train.micro_batch_size: 16 for world sizes 1, 2 and 4"
+        )
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -226,7 +267,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {item!r}: unknown key {key!r}; {DEFAULTS_HINT} lists them")
         node = child
-    if leaf not in node:
+    if leaf not in node and parents[-1:] != ["init_args"]:
         raise ConfigError(f"override {item!r}: unknown key {key!r}; {DEFAULTS_HINT} lists them")
     node[leaf] = yaml.safe_load(text)
 
@@ -250,16 +291,64 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
     values: dict[str, Any] = {}
     for name, spec in fields.items():
         key = prefix + name
+        kind = _section_type(hints[name])
+        if name not in raw and kind is not hints[name]:  # an optional section
+            values[name] = None
+            continue
         if name not in raw:
             raise ConfigError(
                 f"{source}: missing key {key!r} ({_describe(spec, hints[name])}); add it "
                 f"({_example(key, spec, hints[name])})"
             )
-        if dataclasses.is_dataclass(hints[name]):
-            values[name] = _build(hints[name], raw[name], f"{key}.", source)
+        if kind is Component:
+            values[name] = _component(raw[name], key, source)
+        elif dataclasses.is_dataclass(kind):
+            values[name] = _build(kind, raw[name], f"{key}.", source)
         else:
             values[name] = _check(key, raw[name], hints[name], spec, source)
     return cls(**values)
+
+
+def _section_type(hint: Any) -> Any:
+    """``X`` for ``X | None`` (an optional section), else ``hint``."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if type(None) in typing.get_args(hint) and len(args) == 1 else hint
+
+
+def _component(raw: Any, key: str, source: str) -> Component:
+    """The shape of a ``{class_path, init_args, code}`` section; the class is not imported."""
+    example = f"write e.g. {key}: {{class_path: mypkg.module.MyClass, init_args: {{}}}}"
+    if not isinstance(raw, Mapping) or "class_path" not in raw:
+        raise ConfigError(
+            f"{source}: {key}: expected a mapping with class_path and init_args, got {raw!r}; "
+            f"{example}"
+        )
+    for name in raw:
+        if name not in ("class_path", "init_args", "code"):
+            raise ConfigError(
+                f"{source}: unknown key '{key}.{name}'; remove it (allowed here: class_path, "
+                "init_args, code)"
+            )
+    class_path = raw["class_path"]
+    if not isinstance(class_path, str) or not re.fullmatch(r"[A-Za-z_][\w.]*\.\w+", class_path):
+        raise ConfigError(
+            f"{source}: {key}.class_path: expected a dotted path such as mypkg.module.MyClass, "
+            f"got {class_path!r}"
+        )
+    init_args = raw.get("init_args")
+    init_args = {} if init_args is None else init_args
+    if not isinstance(init_args, Mapping) or not all(isinstance(k, str) for k in init_args):
+        raise ConfigError(
+            f"{source}: {key}.init_args: expected a mapping of argument names to values, got "
+            f"{init_args!r}; write e.g. {key}.init_args: {{}}"
+        )
+    code = raw.get("code") or []
+    if not isinstance(code, list) or not all(isinstance(c, str) and c for c in code):
+        raise ConfigError(
+            f"{source}: {key}.code: expected a list of files or folders, got {code!r}; write "
+            f"e.g. {key}.code: [src/mypkg, configs/vocab.txt]"
+        )
+    return Component(class_path, dict(init_args), tuple(code))
 
 
 def _check(key: str, value: Any, kind: Any, spec: dataclasses.Field, source: str) -> Any:
@@ -291,7 +380,7 @@ def _describe(spec: dataclasses.Field, kind: Any) -> str:
     rules = spec.metadata
     if "choices" in rules:
         return "one of " + ", ".join(_yaml_scalar(c) for c in rules["choices"])
-    if dataclasses.is_dataclass(kind):
+    if dataclasses.is_dataclass(_section_type(kind)):
         return "a section"
     text = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[kind]
     symbols = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
@@ -301,7 +390,7 @@ def _describe(spec: dataclasses.Field, kind: Any) -> str:
 
 def _example(key: str, spec: dataclasses.Field, kind: Any) -> str:
     """How to write ``key`` back: its default, or for a section, where to find it."""
-    if dataclasses.is_dataclass(kind):
+    if dataclasses.is_dataclass(_section_type(kind)):
         return f"{DEFAULTS_HINT} prints the section"
     return f"default {key}: {_yaml_scalar(spec.default)}"
 
@@ -320,9 +409,20 @@ def render_defaults() -> str:
 def _render(cls: type, lines: list[str], indent: str) -> None:
     hints = typing.get_type_hints(cls)
     for spec in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[spec.name]):
+        kind = _section_type(hints[spec.name])
+        if kind is Component:
+            default = spec.default_factory()  # type: ignore[misc]
+            lines.append(f"{indent}# {COMPONENT_HELP[spec.name]}")
             lines.append(f"{indent}{spec.name}:")
-            _render(hints[spec.name], lines, indent + "  ")
+            lines.append(f"{indent}  class_path: {default.class_path}")
+            lines.append(f"{indent}  init_args:")
+            lines += [f"{indent}    {k}: {_yaml_scalar(v)}" for k, v in default.init_args.items()]
+            continue
+        if dataclasses.is_dataclass(kind):
+            if kind is not hints[spec.name]:
+                lines.append(f"{indent}# optional: {kind.__doc__}")
+            lines.append(f"{indent}{spec.name}:")
+            _render(kind, lines, indent + "  ")
             continue
         lines.append(f"{indent}# {spec.metadata['help']}; {_describe(spec, hints[spec.name])}")
         lines.append(f"{indent}{spec.name}: {_yaml_scalar(spec.default)}")

@@ -45,6 +45,10 @@ class MemoryLogger(Logger):
             if name != "epoch":
                 self._rows.append((int(step or 0), name, float(value)))
 
+    def names(self) -> list[str]:
+        """Every metric name logged, in the order first logged."""
+        return list(dict.fromkeys(metric for _, metric, _ in self._rows))
+
     def rows(self, name: str) -> list[tuple[int, float]]:
         return [(step, value) for step, metric, value in self._rows if metric == name]
 
@@ -85,3 +89,30 @@ class CurveCheckpoint(L.Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.logger._rows = [(int(s), str(n), float(v)) for s, n, v in state["rows"]]
+
+
+class TrainLossLogger(L.Callback):
+    """Logs ``train_loss``: the loss each training step returned, for any module.
+
+    Under DDP the ranks' mean (each rank's own loss is in the trace); in
+    world-size-invariant mode the step's loss over every micro-batch, added
+    by the fixed tree (:func:`~reprotrain.distributed.worldsize.step_loss`),
+    logged once the step's last backward ran. Modules return their loss and
+    leave this name to the pipeline (docs/your-model.md).
+    """
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:  # fmt: skip
+        if step_loss(trainer) is not None or not isinstance(outputs, Mapping):
+            return
+        loss = outputs["loss"].detach()
+        pl_module.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        loss = step_loss(trainer)
+        if loss is not None:
+            pl_module.log("train_loss", loss, on_step=True, on_epoch=False)

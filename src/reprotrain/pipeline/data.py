@@ -1,24 +1,30 @@
-"""The prepared dataset file and the LightningDataModule that reads it.
+"""The prepared dataset file, and the loaders the pipeline builds around any data module.
 
-The prepared data is one safetensors file holding ``x_<split>`` (float32,
-N x C x H x W, scaled to [0, 1]) and ``y_<split>`` (int64) for the train, val
-and test splits, with the class count in its metadata. safetensors orders
-tensors by dtype and name, so identical tensors give identical bytes; its
-metadata, though, is a hash map written in arbitrary order, so we store
-exactly one metadata key whose value is canonical JSON (see
-:func:`reprotrain.hashing.safetensors_metadata`).
+The prepared data (stage ``prepare``) is one safetensors file holding
+``x_<split>`` (float32, N x C x H x W, scaled to [0, 1]) and ``y_<split>``
+(int64) for the train, val and test splits, with the class count in its
+metadata. safetensors orders tensors by dtype and name, so identical tensors
+give identical bytes; its metadata, though, is a hash map written in
+arbitrary order, so we store exactly one metadata key whose value is
+canonical JSON (see :func:`reprotrain.hashing.safetensors_metadata`).
+The digits recipe (:mod:`reprotrain.recipes.digits`) reads it.
+
+A user's data module gives datasets (``train_dataset()``, ``val_dataset()``,
+``test_dataset()``, docs/your-model.md); :class:`PipelineLoaders` wraps it
+and builds every loader, because the order of the training data is where
+the guarantees live:
 
 Data order is pinned by a ``torch.Generator`` seeded from ``seed`` and owned
-by the data module (``train_generator``), so it does not depend on how much
+by the wrapper (``train_generator``), so it does not depend on how much
 of the global random stream the model consumed, and a checkpoint can save it.
-The shift augmentation draws from numpy's global generator inside the worker
-processes: its output is reproducible only because every worker is seeded
-(Lightning's worker init function, enabled by ``configure_determinism``),
-which is why ``num_workers`` defaults to 2. Workers are not persistent: each
-epoch's workers are seeded from ``train_generator``, so resuming at an epoch
-boundary with that generator restored replays the same augmentation. The
-training loader is a :class:`ResumableLoader`, so a checkpoint written in the
-middle of an epoch (at SIGTERM) resumes there with the same bits.
+Augmentation that draws from numpy's or torch's global generator inside the
+worker processes is reproducible because every worker is seeded (Lightning's
+worker init function, enabled by ``configure_determinism``). Workers are not
+persistent: each epoch's workers are seeded from ``train_generator``, so
+resuming at an epoch boundary with that generator restored replays the same
+augmentation. The training loader is a :class:`ResumableLoader`, so a
+checkpoint written in the middle of an epoch (at SIGTERM) resumes there with
+the same bits.
 
 Under DDP (``shard=True``) each rank trains on its own share of the training
 split (:class:`ShardSampler`): every epoch, every rank draws the same
@@ -35,14 +41,17 @@ and equal on every rank, with no all-reduce.
 
 With ``micro_batch_size`` (``train.world_size_invariant``) the training loader
 takes :class:`~reprotrain.distributed.worldsize.MicroBatchSampler`'s micro-batches of one
-global order instead, and each image's shift is drawn from its own key
-(:func:`~reprotrain.distributed.worldsize.sample_integers`), not from a worker's generator, so
-neither the rank nor the worker decides a draw; the last partial batch of an
-epoch is dropped.
+global order instead, whose items are ``(index, key)``. A dataset that says
+it takes such items (``accepts_sample_keys = True``) draws from the key
+itself; any other is wrapped in :class:`SampleSeeded`, which seeds torch's,
+numpy's and Python's global generators from the key around each
+``__getitem__``: neither the rank nor the worker decides a draw. The last
+partial batch of an epoch is dropped.
 """
 
 from __future__ import annotations
 
+import random
 import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -52,10 +61,10 @@ import lightning as L
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from reprotrain.atomic import atomic_write_safetensors
-from reprotrain.distributed.worldsize import MicroBatchSampler, sample_integers
+from reprotrain.distributed.worldsize import MicroBatchSampler, sample_seed
 from reprotrain.hashing import load_safetensors, safetensors_metadata
 from reprotrain.pipeline.errors import DataError
 
@@ -78,7 +87,7 @@ class PreparedData:
 
 def save_prepared(path: str | Path, data: PreparedData) -> None:
     """Write ``data`` atomically as one safetensors file."""
-    metadata = safetensors_metadata({"num_classes": data.num_classes, "source": data.source})
+    metadata = safetensors_metadata({"num_classes": data.num_classes, "source": prepare.source})
     atomic_write_safetensors(path, data.tensors, metadata)
 
 
@@ -97,65 +106,66 @@ def load_prepared(path: str | Path) -> PreparedData:
     return PreparedData(tensors, int(metadata["num_classes"]), str(metadata.get("source", "?")))
 
 
-class ShiftedImages(Dataset):
-    """Images with labels; optionally shifted by up to one pixel in each direction."""
+class SampleSeeded(Dataset):
+    """A dataset whose items are drawn with global generators seeded from the sample's key.
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, augment: bool) -> None:
-        self.x, self.y, self.augment = x, y, augment
+    Items are ``(index, key)`` (:class:`~reprotrain.distributed.worldsize.MicroBatchSampler`);
+    torch's, numpy's and Python's global generators are seeded from the key for
+    the inner ``dataset[index]`` and restored after it, so the draw is the
+    sample's own and the caller's streams (dropout's, in a loader without
+    workers) do not move.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
 
     def __len__(self) -> int:
-        return len(self.y)
+        return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(
-        self, item: int | tuple[int, tuple[int, int]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        index, key = item if isinstance(item, tuple) else (item, None)
-        image = self.x[index]
-        if self.augment:
-            if key is None:  # the worker's generator, seeded per worker (and rank)
-                dy, dx = np.random.randint(-1, 2, size=2)
-            else:  # the sample's own: the same in any worker, on any rank
-                dy, dx = sample_integers(key, -1, 2, size=2)
-            image = _shift(image, int(dy), int(dx))
-        return image, self.y[index]
-
-
-def _shift(image: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
-    out = torch.zeros_like(image)
-    h, w = image.shape[-2:]
-    out[..., max(dy, 0) : h + min(dy, 0), max(dx, 0) : w + min(dx, 0)] = image[
-        ..., max(-dy, 0) : h + min(-dy, 0), max(-dx, 0) : w + min(-dx, 0)
-    ]
-    return out
+    def __getitem__(self, item: tuple[int, tuple[int, int]]) -> object:
+        index, key = item
+        seed = sample_seed(key)
+        numpy_state, python_state = np.random.get_state(), random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            np.random.seed(seed & 0xFFFFFFFF)
+            random.seed(seed)
+            try:
+                return self.dataset[index]
+            finally:
+                np.random.set_state(numpy_state)
+                random.setstate(python_state)
 
 
-class PreparedDataModule(L.LightningDataModule):
-    """Train / val loaders over a :class:`PreparedData`, with a seeded shuffle."""
+class PipelineLoaders(L.LightningDataModule):
+    """A user's data module's datasets in the loaders the guarantees need (module doc).
+
+    ``source`` must be set up already (the train stage does it, to link its
+    attributes to the model's arguments): this wrapper only builds loaders.
+    """
 
     def __init__(
         self,
-        data: PreparedData,
-        batch_size: int,
-        num_workers: int,
-        augment: bool,
+        source: L.LightningDataModule,
         seed: int,
         shard: bool = False,
         micro_batch_size: int | None = None,
     ) -> None:
         super().__init__()
-        self.data = data
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.augment = augment
+        self.source = source
+        self.batch_size = int(source.batch_size)  # type: ignore[attr-defined]
+        self.num_workers = int(source.num_workers)  # type: ignore[attr-defined]
+        self.collate_fn = getattr(source, "collate_fn", None)
         self.seed = seed
         self.shard = shard
         self.micro_batch_size = micro_batch_size
         self.train_generator = torch.Generator().manual_seed(seed)
 
     def train_dataloader(self) -> DataLoader:
-        x, y = self.data.split("train")
-        dataset = ShiftedImages(x, y, self.augment)
+        dataset = map_style(self.source.train_dataset(), "train")  # type: ignore[attr-defined]
         if self.micro_batch_size is not None:
+            if not getattr(dataset, "accepts_sample_keys", False):
+                dataset = SampleSeeded(dataset)
             rank, ranks = self.trainer.global_rank, self.trainer.world_size
             micro_batches = MicroBatchSampler(
                 len(dataset), self.batch_size, self.micro_batch_size, rank, ranks,
@@ -170,8 +180,10 @@ class PreparedDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
-        x, y = self.data.split("val")
-        return self._loader(ShiftedImages(x, y, augment=False))
+        return self._loader(map_style(self.source.val_dataset(), "val"))  # type: ignore[attr-defined]
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(map_style(self.source.test_dataset(), "test"))  # type: ignore[attr-defined]
 
     def _loader(
         self,
@@ -181,13 +193,14 @@ class PreparedDataModule(L.LightningDataModule):
         batch_sampler: Sampler[list] | None = None,
     ) -> DataLoader:
         """Training loaders (shuffled or sharded) take ``train_generator``, which seeds workers."""
+        common = {"num_workers": self.num_workers, "collate_fn": self.collate_fn}
         if batch_sampler is not None:
             return ResumableLoader(
                 dataset,
                 consumed=self._batches_trained,
                 batch_sampler=batch_sampler,
-                num_workers=self.num_workers,
                 generator=self.train_generator,
+                **common,
             )
         if shuffle or sampler is not None:
             return ResumableLoader(
@@ -196,16 +209,49 @@ class PreparedDataModule(L.LightningDataModule):
                 batch_size=self.batch_size,
                 shuffle=shuffle,
                 sampler=sampler,
-                num_workers=self.num_workers,
                 generator=self.train_generator,
+                **common,
             )
-        return WorkersIgnoreStopSignals(
-            dataset, batch_size=self.batch_size, num_workers=self.num_workers
-        )
+        return WorkersIgnoreStopSignals(dataset, batch_size=self.batch_size, **common)
 
     def _batches_trained(self) -> int:
         """Training batches of the current epoch whose step has run (Lightning's count)."""
         return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+def first_batches(source: L.LightningDataModule, count: int) -> list[object]:
+    """The first ``count`` training batches in dataset order (no shuffle, no workers).
+
+    For measurements on a step (``reprotrain bench``, ``reprotrain locate``):
+    real batches of the data module, the same on every call.
+    """
+    dataset = map_style(source.train_dataset(), "train")  # type: ignore[attr-defined]
+    loader = DataLoader(
+        dataset, batch_size=int(source.batch_size), collate_fn=getattr(source, "collate_fn", None)
+    )  # type: ignore[attr-defined]
+    batches = []
+    for batch in loader:
+        if len(batches) == count:
+            break
+        batches.append(batch)
+    return batches
+
+
+def map_style(dataset: object, split: str) -> Dataset:
+    """``dataset`` if it is map-style (``__len__`` and ``__getitem__``); else a DataError.
+
+    An iterable dataset has no index to resume from mid-epoch, to shard or to
+    cut into micro-batches, so the pipeline cannot keep its promises with one.
+    """
+    if isinstance(dataset, IterableDataset) or not (
+        hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+    ):
+        raise DataError(
+            f"{split}_dataset() returned a {type(dataset).__name__}, not a map-style dataset "
+            "(__len__ and __getitem__): mid-epoch resume, sharding and world-size invariance "
+            "need an index; return a map-style torch Dataset (docs/your-model.md)"
+        )
+    return dataset  # type: ignore[return-value]
 
 
 class WorkersIgnoreStopSignals(DataLoader):

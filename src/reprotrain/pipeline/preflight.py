@@ -11,7 +11,10 @@ earlier output in place.
 
 What it checks, each failure one line naming the key or file and what to do:
 the whole of params.yaml (types, ranges, cross-field rules, via
-:func:`reprotrain.pipeline.config.load_params`); the raw data
+:func:`reprotrain.pipeline.config.load_params`; the model and data module it
+names, imported, type-checked and held to the contract, via
+:mod:`reprotrain.pipeline.recipe` and :mod:`reprotrain.pipeline.contract`,
+which the env stage runs first); with a ``prepare`` section, the raw data
 (:mod:`reprotrain.pipeline.rawdata`: inside ``data/raw``, readable, shapes,
 dtypes, finite values, labels); that no split is empty; that the network and a
 batch fit in this machine's memory (an estimate, see :func:`training_bytes`);
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from reprotrain.determinism import refuse_or_warn
-from reprotrain.pipeline.config import ModelConfig, Params
+from reprotrain.pipeline.config import DEFAULT_MODEL, Params
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.rawdata import load_raw, split_sizes
 from reprotrain.provenance.environment import cpu_facts
@@ -65,22 +68,43 @@ class PlannedOutputs:
     reports: tuple[Path, ...]
 
 
-def network_parameters(model: ModelConfig, shape: tuple[int, int, int], classes: int) -> int:
-    """Parameter count of :func:`reprotrain.pipeline.model.build_network` for C x H x W input."""
+@dataclass(frozen=True)
+class Sizes:
+    """What the estimates need from the resolved model and data arguments."""
+
+    batch_size: int
+    #: The digits CNN's channels and hidden width; None for any other module.
+    cnn: tuple[int, int] | None
+
+    @classmethod
+    def of(cls, recipe: Any) -> Sizes:
+        """From a resolved :class:`~reprotrain.pipeline.recipe.Recipe`."""
+        model = recipe.model
+        cnn = None
+        if model.class_path == DEFAULT_MODEL.class_path:
+            cnn = (int(model.init_args["channels"]), int(model.init_args["hidden"]))
+        return cls(int(recipe.data.init_args["batch_size"]), cnn)
+
+
+def network_parameters(cnn: tuple[int, int], shape: tuple[int, int, int], classes: int) -> int:
+    """Parameter count of :func:`reprotrain.recipes.digits.build_network` for C x H x W input."""
     channels, height, width = shape
-    c = model.channels
+    c, hidden = cnn
     flat = 2 * c * (height // 2) * (width // 2)
     convs = (channels * 9 + 1) * c + (c * 9 + 1) * 2 * c
-    return convs + (flat + 1) * model.hidden + (model.hidden + 1) * classes
+    return convs + (flat + 1) * hidden + (hidden + 1) * classes
 
 
-def training_bytes(params: Params, shape: tuple[int, int, int], classes: int) -> int:
-    """A lower estimate of the memory one training step needs: state plus one batch."""
+def training_bytes(sizes: Sizes, shape: tuple[int, int, int], classes: int) -> int:
+    """A lower estimate of the memory one training step needs: state plus one batch (0 when
+    the module is not the digits CNN, whose size this knows)."""
+    if sizes.cnn is None:
+        return 0
     _, height, width = shape
-    c = params.model.channels
+    c = sizes.cnn[0]
     per_sample = (3 * c * height * width + 2 * c * (height // 2) * (width // 2)) * 4
-    batch = params.data.batch_size * per_sample * ACTIVATION_FACTOR
-    return network_parameters(params.model, shape, classes) * BYTES_PER_PARAMETER + batch
+    batch = sizes.batch_size * per_sample * ACTIVATION_FACTOR
+    return network_parameters(sizes.cnn, shape, classes) * BYTES_PER_PARAMETER + batch
 
 
 def available_bytes() -> int | None:
@@ -99,14 +123,15 @@ def _gpu_bytes(gpus: list[dict[str, Any]]) -> int | None:
 
 def output_bytes(
     params: Params,
+    model: Sizes,
     sizes: tuple[int, int, int],
     shape: tuple[int, int, int],
     classes: int,
     planned: PlannedOutputs,
 ) -> dict[Path, int]:
     """An upper estimate of the bytes each planned output takes (checkpoints: the folder)."""
-    weights = network_parameters(params.model, shape, classes) * 4
-    steps = math.ceil(sizes[0] / params.data.batch_size) * params.train.max_epochs
+    weights = network_parameters(model.cnn, shape, classes) * 4 if model.cnn else 0
+    steps = math.ceil(sizes[0] / model.batch_size) * params.train.max_epochs
     row = TRACE_ROW_BYTES + (
         PARAMETER_TENSORS * TRACE_TENSOR_BYTES if params.train.trace == "full" else 0
     )
@@ -182,6 +207,7 @@ def check_accelerator(params: Params) -> None:
 
 def preflight(
     params: Params,
+    model: Sizes,
     raw_dir: Path,
     gpus: list[dict[str, Any]],
     cpu_flags: Iterable[str] | None = None,
@@ -201,8 +227,14 @@ def preflight(
             "one lacks, so it cannot give the committed bits here; set cpu.profile: native"
         )
         refuse_or_warn(params.deterministic, message)
-    x, y, source = load_raw(params.data.source, raw_dir)
-    sizes = split_sizes(len(y), params.data, source)
+    if params.prepare is None:
+        raise DataError(
+            "params has no prepare section, but --raw-dir asks to check raw data for the "
+            "prepare stage; add the section (`reprotrain params --defaults` prints it) or drop "
+            "--raw-dir"
+        )
+    x, y, source = load_raw(params.prepare.source, raw_dir)
+    sizes = split_sizes(len(y), params.prepare, source)
     shape = (int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
     classes = int(y.max()) + 1
     wants_gpu = params.train.accelerator == "gpu"
@@ -211,18 +243,19 @@ def preflight(
             "train.accelerator: gpu, but no NVIDIA GPU is visible here (nvidia-smi finds none); "
             "set train.accelerator: cpu, or run on a GPU host (docker run --gpus all)"
         )
-    need = training_bytes(params, shape, classes)
+    need = training_bytes(model, shape, classes)
     have = _gpu_bytes(gpus) if wants_gpu else available_bytes()
     if have is not None and need > have:
+        channels, hidden = model.cnn  # type: ignore[misc]  # need > 0: the digits CNN
         raise DataError(
-            f"{source}: {shape[1]}x{shape[2]} images with model.channels="
-            f"{params.model.channels}, model.hidden={params.model.hidden} and "
-            f"data.batch_size={params.data.batch_size} need at least {need / GIB:.1f} GiB to "
+            f"{source}: {shape[1]}x{shape[2]} images with model.init_args.channels="
+            f"{channels}, model.init_args.hidden={hidden} and "
+            f"data.init_args.batch_size={model.batch_size} need at least {need / GIB:.1f} GiB to "
             f"train, more than the {have / GIB:.1f} GiB here; lower those values or downscale "
             "the images"
         )
     if planned is not None:
-        check_outputs(output_bytes(params, sizes, shape, classes, planned))
+        check_outputs(output_bytes(params, model, sizes, shape, classes, planned))
     return (
         f"checked params and {source} ({len(y)} samples, {shape[0]}x{shape[1]}x{shape[2]}, "
         f"{classes} classes, splits {sizes[0]}/{sizes[1]}/{sizes[2]}, about "

@@ -1,6 +1,6 @@
 """The raw data a user supplies: where it may live and what it must hold.
 
-``data.source`` is ``digits`` (scikit-learn's bundled 1,797 8x8 handwritten
+``prepare.source`` is ``digits`` (scikit-learn's bundled 1,797 8x8 handwritten
 digits, installed with the package) or the name of an ``.npz`` file inside the
 raw-data folder (``data/raw``), with arrays ``x``: N x H x W or N x C x H x W,
 real-valued and already scaled, and ``y``: N integer labels from 0. The name
@@ -19,24 +19,24 @@ from pathlib import Path
 
 import numpy as np
 
-from reprotrain.pipeline.config import DataConfig
+from reprotrain.pipeline.config import PrepareConfig
 from reprotrain.pipeline.errors import DataError
 
 BUILTIN_SOURCE = "digits"
 
 
 def source_path(source: str, raw_dir: Path) -> Path:
-    """The file ``data.source`` names, checked to lie inside ``raw_dir``."""
+    """The file ``prepare.source`` names, checked to lie inside ``raw_dir``."""
     path = raw_dir / source
     if path.suffix != ".npz":
         raise DataError(
-            f"data.source: {source!r} is neither 'digits' nor an .npz file name; "
+            f"prepare.source: {source!r} is neither 'digits' nor an .npz file name; "
             f"set it to 'digits' or to a file in {raw_dir}"
         )
     inside = raw_dir.resolve()
     if inside not in path.resolve().parents:
         raise DataError(
-            f"data.source: {source!r} resolves outside {raw_dir} (.. or a symlink); "
+            f"prepare.source: {source!r} resolves outside {raw_dir} (.. or a symlink); "
             f"copy the file into {raw_dir} and `dvc add` it there"
         )
     if not path.is_file():
@@ -96,14 +96,14 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return x.astype(np.float32), y.astype(np.int64)
 
 
-def split_sizes(n: int, data: DataConfig, source: str) -> tuple[int, int, int]:
+def split_sizes(n: int, prepare: PrepareConfig, source: str) -> tuple[int, int, int]:
     """(train, val, test) sample counts; every split must be non-empty."""
-    n_test = round(n * data.test_fraction)
-    n_val = round(n * data.val_fraction)
+    n_test = round(n * prepare.test_fraction)
+    n_val = round(n * prepare.val_fraction)
     if min(n_test, n_val, n - n_test - n_val) < 1:
         raise DataError(
-            f"{source}: {n} samples give an empty split with data.val_fraction="
-            f"{data.val_fraction} and data.test_fraction={data.test_fraction}; "
+            f"{source}: {n} samples give an empty split with prepare.val_fraction="
+            f"{prepare.val_fraction} and prepare.test_fraction={prepare.test_fraction}; "
             "use more data or other fractions"
         )
     return n - n_test - n_val, n_val, n_test

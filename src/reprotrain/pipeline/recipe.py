@@ -1,26 +1,32 @@
 """The model and data named as LightningCLI names them: ``{class_path, init_args}``.
 
-Draft for issue 29 (docs/your-model.md); no stage uses it yet. A section of
-``params.yaml`` such as ``model: {class_path: mypkg.Net, init_args: {hidden: 128}}``
-is resolved and type-checked by jsonargparse, the library LightningCLI parses
-its configs with, so the ``model`` and ``data`` sections of a LightningCLI
-config paste in unchanged. The answer, :class:`ResolvedComponent`, holds every
-init argument with its default filled in, as plain JSON (what the run record
-and the run ID will carry), and builds the object from exactly those values.
+A section of ``params.yaml`` such as ``model: {class_path: mypkg.Net,
+init_args: {hidden: 128}}`` (shape-checked by :mod:`reprotrain.pipeline.config`)
+is resolved and type-checked here by jsonargparse, the library LightningCLI
+parses its configs with, so the ``model`` and ``data`` sections of a
+LightningCLI config paste in unchanged. The answer, :class:`ResolvedComponent`,
+holds every init argument with its default filled in, as plain JSON (what the
+run record and the run ID carry), and builds the object from exactly those
+values. The class is imported with the working directory (the repository
+root, where DVC runs the stages) first on ``sys.path``, so a project's own
+package needs no install.
 
-Arguments the pipeline supplies itself (the class count a model learns from the
-data, the seed a data module shuffles with) are ``provided``: left out of the
-parse, refused in ``init_args``, passed at :meth:`ResolvedComponent.instantiate`.
+Arguments whose values come from the data (the class count, a vocabulary
+size) are the data module's ``model_links``: left out of the parse, refused
+in ``init_args``, and passed at :meth:`ResolvedComponent.instantiate` from the
+set-up data module's attributes of the same names (LightningCLI's
+``link_arguments(..., apply_on="instantiate")``). :func:`build` does this and
+returns the model's record with them filled in, so evaluate can rebuild the
+model from the weights file alone.
 
 Every error is a :class:`~reprotrain.pipeline.config.ConfigError` of one line
 naming the key path (``model.init_args.hidden``) and what to do. jsonargparse's
 coercions stay: a string such as ``'1e-3'`` for a float parameter is accepted
 (PyYAML reads ``1e-3`` as a string), ``'abc'`` is not.
 
-:func:`code_files` lists the user code that decides the bits: the source of the
+:func:`code_files` lists the code that decides the bits: the source of the
 package the class lives in. Code installed in site-packages is pinned by the
-lock, whose hash is already a run input, so it is not listed; nor is a
-class's file when Python found it elsewhere than on disk.
+lock, whose hash is already a run input, so it is not listed.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import importlib.util
 import json
 import re
 import site
+import sys
 import sysconfig
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -38,11 +45,8 @@ from typing import Any
 
 from jsonargparse import ArgumentError, ArgumentParser
 
-from reprotrain.pipeline.config import ConfigError
+from reprotrain.pipeline.config import Component, ConfigError, Params
 from reprotrain.provenance.identity import source_files
-
-#: The keys a component section may hold: LightningCLI's two, and ours.
-SECTION_KEYS = ("class_path", "init_args", "code")
 
 
 @dataclass(frozen=True)
@@ -73,52 +77,84 @@ class ResolvedComponent:
 
 
 def resolve_component(
-    section: Any, key: str, base: type, provided: Collection[str] = ()
+    section: Component, key: str, base: type, provided: Collection[str] = ()
 ) -> ResolvedComponent:
-    """Resolve and type-check ``{class_path, init_args}`` under ``key``; one-line errors."""
-    if not isinstance(section, Mapping) or "class_path" not in section:
-        raise ConfigError(
-            f"{key}: expected a mapping with class_path and init_args, got {section!r}; write "
-            f"e.g. {key}: {{class_path: mypkg.module.MyClass, init_args: {{}}}}"
-        )
-    for name in section:
-        if name not in SECTION_KEYS:
-            raise ConfigError(
-                f"{key}.{name}: unknown key; remove it (allowed: {', '.join(SECTION_KEYS)})"
-            )
-    class_path = section["class_path"]
-    cls = _import_class(class_path, key, base)
-    init_args = section.get("init_args") or {}
-    if not isinstance(init_args, Mapping):
-        raise ConfigError(
-            f"{key}.init_args: expected a mapping of argument names to values, got "
-            f"{init_args!r}; write e.g. {key}.init_args: {{}}"
-        )
+    """Resolve and type-check ``section`` (params key ``key``); one-line errors."""
+    cls = _import_class(section.class_path, key, base)
     for name in provided:
-        if name in init_args:
+        if name in section.init_args:
             raise ConfigError(
-                f"{key}.init_args.{name}: set by the pipeline when it builds {class_path}; "
-                "remove it"
+                f"{key}.init_args.{name}: set from the data module when the pipeline builds "
+                f"{section.class_path} (its model_links); remove it"
             )
     parser = _parser(cls, key, tuple(provided))
-    _check_groups(parser, init_args, key, class_path)
+    _check_groups(parser, section.init_args, key, section.class_path)
     try:
-        namespace = parser.parse_object(dict(init_args))
+        namespace = parser.parse_object(dict(section.init_args))
     except ArgumentError as err:
-        raise ConfigError(_one_line(str(err), parser, init_args, key, class_path)) from None
+        message = _one_line(str(err), parser, section.init_args, key, section.class_path)
+        raise ConfigError(message) from None
     resolved = json.loads(parser.dump(namespace, format="json"))
     return ResolvedComponent(
-        key, class_path, cls, resolved, tuple(provided), _code_list(section.get("code"), key)
+        key, section.class_path, cls, resolved, tuple(provided), section.code
     )
 
 
-def _import_class(class_path: Any, key: str, base: type) -> type:
+@dataclass(frozen=True)
+class Recipe:
+    """The model and data module params.yaml names, resolved."""
+
+    model: ResolvedComponent
+    data: ResolvedComponent
+
+    def record(self, linked: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Both sections fully resolved, with the linked model arguments when known."""
+        model = self.model.record()
+        model["init_args"] = {**model["init_args"], **(linked or {})}
+        return {"model": model, "data": self.data.record()}
+
+
+def resolve_recipe(params: Params) -> Recipe:
+    """Import and type-check params' ``model`` and ``data`` (no object is built)."""
+    import lightning as L
+
+    data = resolve_component(params.data, "data", L.LightningDataModule)
+    links = tuple(getattr(data.cls, "model_links", ()))
+    model = resolve_component(params.model, "model", L.LightningModule, provided=links)
+    return Recipe(model, data)
+
+
+def build(recipe: Recipe, stage: str = "fit") -> tuple[Any, Any, dict[str, Any]]:
+    """The data module (set up for ``stage``), the model, and the linked arguments' values."""
+    datamodule = recipe.data.instantiate()
+    datamodule.setup(stage)
+    linked = {}
+    for name in recipe.model.provided:
+        if not hasattr(datamodule, name):
+            raise ConfigError(
+                f"data.class_path: {recipe.data.class_path} lists {name!r} in model_links but "
+                f"has no attribute {name!r} after setup({stage!r}); set it in setup"
+            )
+        linked[name] = json.loads(json.dumps(getattr(datamodule, name)))
+    return datamodule, recipe.model.instantiate(**linked), linked
+
+
+def rebuild_model(record: Mapping[str, Any], source: str) -> Any:
+    """The model a run record's ``model`` section describes (linked arguments included)."""
+    import lightning as L
+
+    section = Component(record["class_path"], dict(record["init_args"]))
+    try:
+        return resolve_component(section, "model", L.LightningModule).instantiate()
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def _import_class(class_path: str, key: str, base: type) -> type:
     where = f"{key}.class_path"
-    if not isinstance(class_path, str) or not re.fullmatch(r"[\w.]+\.\w+", class_path):
-        raise ConfigError(
-            f"{where}: expected a dotted path such as mypkg.module.MyClass, got {class_path!r}"
-        )
     module_name, _, name = class_path.rpartition(".")
+    if (root := str(Path.cwd())) not in sys.path:
+        sys.path.insert(0, root)  # the project's own package, as `python -m` would find it
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
@@ -222,17 +258,6 @@ def _lookup(tree: Mapping[str, Any], dotted: str) -> Any:
     return node
 
 
-def _code_list(code: Any, key: str) -> tuple[str, ...]:
-    if code is None:
-        return ()
-    if not isinstance(code, list) or not all(isinstance(item, str) and item for item in code):
-        raise ConfigError(
-            f"{key}.code: expected a list of files or folders, got {code!r}; write e.g. "
-            f"{key}.code: [src/mypkg, configs/vocab.txt]"
-        )
-    return tuple(code)
-
-
 def code_files(component: ResolvedComponent, root: Path | None = None) -> list[Path]:
     """The files whose bytes decide what ``component`` computes, sorted.
 
@@ -253,6 +278,12 @@ def code_files(component: ResolvedComponent, root: Path | None = None) -> list[P
         spec = importlib.util.find_spec(top)
         origin = Path(spec.origin) if spec and spec.origin else None
         if origin is not None and origin.is_file() and not _installed(origin):
+            if not origin.resolve().is_relative_to(root.resolve()):
+                raise ConfigError(
+                    f"{component.key}.class_path: {component.class_path} comes from {origin}, "
+                    f"outside the repository ({root}), where DVC cannot track it; move its "
+                    "package into the repository, or install it from the lock"
+                )
             if spec.submodule_search_locations:
                 for folder in spec.submodule_search_locations:
                     files.update(_tree(Path(folder), "*.py"))

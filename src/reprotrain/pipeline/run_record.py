@@ -1,10 +1,14 @@
 """The train stage's run record: its inputs, its run ID and its output hashes.
 
 ``reports/run.json`` states the contract "same run ID => same output hashes".
-The run ID covers the stage's params, the md5 of the data it trains on
-(checked against what DVC recorded), the lock's sha256, the sha256 of the
-stage's source files (its module and every ``reprotrain`` module it imports:
-the same files ``dvc.yaml`` lists as its deps), the environment record's fingerprint, the
+The run ID covers the stage's params, the model and data module fully
+resolved (every init argument, defaults included: ``recipe``), the md5 of
+each data file (checked against what DVC recorded), the lock's sha256, the
+sha256 of the stage's source files (its module and every ``reprotrain``
+module it imports, with the built-in recipe's modules: files ``dvc.yaml``
+lists as deps), the sha256 of a user recipe's own code (``user_code_sha256``:
+the package its classes live in and its ``code:`` entries, relative to the
+repository root), the environment record's fingerprint, the
 determinism settings in force, torch's runtime switches (threads, TF32) and
 the distributed layout (world size, backend, DDP options, ``NCCL_*`` settings).
 The git commit is deliberately absent: the code itself is hashed, and the
@@ -19,7 +23,7 @@ import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import reprotrain
 from reprotrain.atomic import atomic_write_text
@@ -35,6 +39,9 @@ from reprotrain.provenance.environment import (
     torch_runtime,
 )
 from reprotrain.provenance.identity import code_hash, run_id, source_files
+
+if TYPE_CHECKING:  # jsonargparse and Lightning load when a stage resolves its recipe
+    from reprotrain.pipeline.recipe import Recipe
 
 
 def load_environment(path: Path) -> dict[str, Any]:
@@ -72,28 +79,43 @@ def run_inputs(
     stage_module: str,
     params: Params,
     param_keys: tuple[str, ...],
-    data: Path,
+    recipe: Recipe,
+    data: list[Path],
     environment: Mapping[str, Any],
     dvc_lock: Path | None,
     settings: DeterminismSettings,
     distributed: Mapping[str, Any],
 ) -> dict[str, Any]:
     """Everything that decides the stage's bits; refuses data DVC recorded differently."""
-    if not data.is_file():
-        raise DataError(f"{data}: prepared data not found; run `dvc repro prepare`")
-    md5, recorded = verify_dvc_checksum(data, dvc_lock) if dvc_lock else (None, None)
-    if dvc_lock and recorded is None:
-        print(f"reprotrain: warning: {dvc_lock} has no checksum for {data}", file=sys.stderr)
+    from reprotrain.pipeline.recipe import code_files  # jsonargparse: only when a stage runs
+
+    package = Path(reprotrain.__file__).parent.resolve()
+    recipe_files = [f.resolve() for c in (recipe.model, recipe.data) for f in code_files(c)]
+    ours = {f for f in recipe_files if f.is_relative_to(package)}
+    theirs = sorted(set(recipe_files) - ours)
+    stage_files = {f.resolve() for f in source_files(stage_module)} | ours
     return {
         "params": params.select(param_keys),
-        "data_md5": md5 if md5 is not None else sha256_file(data),
+        "recipe": recipe.record(),
+        "data_md5": {path.as_posix(): data_checksum(path, dvc_lock) for path in data},
         "lock_sha256": (environment.get("lock") or {}).get("sha256"),
-        "code_sha256": code_hash(source_files(stage_module), Path(reprotrain.__file__).parent),
+        "code_sha256": code_hash(stage_files, package),
+        "user_code_sha256": code_hash(theirs, Path.cwd().resolve()) if theirs else None,
         "environment_sha256": environment_sha256(environment),
         "determinism": settings.as_dict(),
         "torch_runtime": torch_runtime(),
         "distributed": dict(distributed),
     }
+
+
+def data_checksum(path: Path, dvc_lock: Path | None) -> str:
+    """``path``'s md5 as DVC recorded it (checked; refused when it differs), else its sha256."""
+    if not path.is_file():
+        raise DataError(f"{path}: data file not found; run `dvc repro` (or fix --data)")
+    md5, recorded = verify_dvc_checksum(path, dvc_lock) if dvc_lock else (None, None)
+    if dvc_lock and recorded is None:
+        print(f"reprotrain: warning: {dvc_lock} has no checksum for {path}", file=sys.stderr)
+    return md5 if md5 is not None else sha256_file(path)
 
 
 def write_run_record(path: Path, inputs: Mapping[str, Any], outputs: Mapping[str, Path]) -> str:

@@ -5,7 +5,8 @@ module when it runs, so the CLI can read the stage's options without
 Lightning. It is part of the stage: the run ID's code hash covers it (it is
 in the stage's import closure, :func:`reprotrain.provenance.identity.source_files`).
 
-:func:`fit` builds the model and data module from ``params`` and fits them,
+:func:`fit` builds the model and data module params names (:mod:`reprotrain.pipeline.recipe`),
+checks them against the contract (:mod:`reprotrain.pipeline.contract`) and fits them,
 checkpointing with the full random state when asked (:class:`Checkpointing`);
 Ctrl-C and SIGTERM stop it after the batch on every rank, keeping the last
 checkpoint. :func:`write_outputs` writes the weights, metrics and curves
@@ -34,6 +35,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -46,11 +48,12 @@ from reprotrain.distributed.ddp import RankAgreement, ddp_strategy
 from reprotrain.distributed.worldsize import WorldSizeInvariantStrategy
 from reprotrain.hashing import canonical_json, safetensors_metadata
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.curves import CurveCheckpoint, MemoryLogger
-from reprotrain.pipeline.data import PreparedData, PreparedDataModule
+from reprotrain.pipeline.contract import check_datasets
+from reprotrain.pipeline.curves import CurveCheckpoint, MemoryLogger, TrainLossLogger
+from reprotrain.pipeline.data import PipelineLoaders
 from reprotrain.pipeline.errors import Interrupted
-from reprotrain.pipeline.model import Classifier
 from reprotrain.pipeline.preflight import check_accelerator
+from reprotrain.pipeline.recipe import Recipe, build
 from reprotrain.resume import (
     CheckpointError,
     InterruptCheckpoint,
@@ -98,14 +101,23 @@ def find_resume_point(run_dir: Path, identity: str) -> Path | None:
     return newest
 
 
+@dataclass
+class Fitted:
+    """What :func:`fit` trained: the module, its curves, and the arguments linked from the data."""
+
+    module: L.LightningModule
+    logger: MemoryLogger
+    linked: dict[str, Any]
+
+
 def fit(
     params: Params,
-    data: PreparedData,
+    recipe: Recipe,
     settings: DeterminismSettings,
     checkpointing: Checkpointing | None = None,
     callbacks: Sequence[L.Callback] = (),
-) -> tuple[Classifier, MemoryLogger]:
-    """Build the model and data module from ``params`` and fit them with Lightning.
+) -> Fitted:
+    """Build the model and data module ``recipe`` names and fit them with Lightning.
 
     With ``checkpointing``, a verified checkpoint is written at the end of
     every ``train.checkpoint_every_n_epochs``-th epoch (the newest one kept),
@@ -119,20 +131,18 @@ def fit(
     check_accelerator(params)
     ddp = cfg.strategy == "ddp"
     invariant = cfg.world_size_invariant
-    module = Classifier(params.model, cfg, data.input_shape, data.num_classes)
-    datamodule = PreparedDataModule(
-        data,
-        batch_size=params.data.batch_size,
-        num_workers=params.data.num_workers,
-        augment=params.data.augment,
+    source, module, linked = build(recipe)
+    check_datasets(source)
+    datamodule = PipelineLoaders(
+        source,
         seed=params.seed,
         shard=ddp and not invariant,
         micro_batch_size=cfg.micro_batch_size if invariant else None,
     )
-    strategy, accumulate = _strategy(params)
+    strategy, accumulate = _strategy(params, datamodule.batch_size)
     logger = MemoryLogger()
     resume_from = checkpointing.resume_from if checkpointing else None
-    chosen: list[L.Callback] = _op_recorder()
+    chosen: list[L.Callback] = [TrainLossLogger(), *_op_recorder()]
     if ddp or invariant:
         identity = checkpointing.run_id if checkpointing else None
         facts = {"run_id": identity, "resume_from": resume_from and resume_from.name}
@@ -141,15 +151,7 @@ def fit(
     if checkpointing is not None:
         every = cfg.checkpoint_every_n_epochs
         chosen += _checkpoint_callbacks(every, checkpointing, datamodule, logger)
-    # Lightning 2.6 trips over its own use of a deprecated torch pytree API on every fit,
-    # and warns about the (expected) earlier checkpoints when a run resumes.
-    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
-    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-    # Validation covers the whole split on every rank (see data.py): nothing to all-reduce.
-    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val_")
-    interactive = sys.stderr.isatty() and not os.environ.get("CI")
-    if not interactive:
-        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    interactive = quiet_lightning()
     trainer = L.Trainer(
         accelerator=cfg.accelerator,
         strategy=strategy,
@@ -183,7 +185,24 @@ def fit(
         if explained is None:
             raise
         raise explained from None
-    return module, logger
+    return Fitted(module, logger, linked)
+
+
+def quiet_lightning() -> bool:
+    """Silence Lightning's expected chatter; return whether stderr is an interactive terminal.
+
+    Off a terminal (DVC, CI) Lightning's info lines (devices, tips) are dropped.
+    """
+    # Lightning 2.6 trips over its own use of a deprecated torch pytree API on every fit,
+    # and warns about the (expected) earlier checkpoints when a run resumes.
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    # Validation covers the whole split on every rank (see data.py): nothing to all-reduce.
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('(val|test)_")
+    interactive = sys.stderr.isatty() and not os.environ.get("CI")
+    if not interactive:
+        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    return interactive
 
 
 def _op_recorder() -> list[L.Callback]:
@@ -201,7 +220,7 @@ def _op_recorder() -> list[L.Callback]:
 def _checkpoint_callbacks(
     every_n_epochs: int,
     checkpointing: Checkpointing,
-    datamodule: PreparedDataModule,
+    datamodule: PipelineLoaders,
     logger: MemoryLogger,
 ) -> list[L.Callback]:
     """Verified checkpoints with the random state and the curves so far, and one on Ctrl-C."""
@@ -222,11 +241,11 @@ def _checkpoint_callbacks(
     ]
 
 
-def _strategy(params: Params) -> tuple[Strategy | str, int]:
+def _strategy(params: Params, batch_size: int) -> tuple[Strategy | str, int]:
     """Lightning's strategy for ``train.strategy`` (and the mode), and its accumulation."""
     cfg = params.train
     if cfg.world_size_invariant:
-        micro_batches = params.data.batch_size // cfg.micro_batch_size
+        micro_batches = batch_size // cfg.micro_batch_size
         invariant = WorldSizeInvariantStrategy(micro_batches, params.seed, cfg.accelerator)
         return invariant, invariant.micro_batches_per_rank(cfg.devices * cfg.num_nodes)
     return (ddp_strategy(cfg.accelerator) if cfg.strategy == "ddp" else "auto"), 1
@@ -282,44 +301,52 @@ def _interrupted(checkpoint_dir: Path | None, name: str) -> str:
 def write_outputs(
     args: argparse.Namespace,
     params: Params,
-    data: PreparedData,
+    recipe: Recipe,
     settings: DeterminismSettings,
-    module: Classifier,
-    logger: MemoryLogger,
+    fitted: Fitted,
 ) -> dict[str, Path]:
-    """Weights (with the params and determinism in force), metrics and curve CSVs, atomically."""
-    weights = {name: t.detach().cpu().contiguous() for name, t in module.net.state_dict().items()}
+    """Weights (with the params and determinism in force), metrics and curve CSVs, atomically.
+
+    The weights file holds the module's whole ``state_dict`` and, as metadata,
+    the params with ``model`` and ``data`` fully resolved (the linked
+    arguments included): what evaluate needs to rebuild the module, and
+    nothing of one recipe's own.
+    """
+    state = fitted.module.state_dict()
+    weights = {name: t.detach().cpu().contiguous() for name, t in state.items()}
     if params.train.world_size_invariant:
         # The layout did not decide these weights: record it as one process, so the file is
         # the same at any world size (run.json's inputs name the mode).
         one = dataclasses.replace(params.train, devices=1, num_nodes=1, strategy="single_device")
         params = dataclasses.replace(params, train=one)
     metadata = safetensors_metadata(
-        {
-            "params": dataclasses.asdict(params),
-            "input_shape": list(data.input_shape),
-            "num_classes": data.num_classes,
-            "determinism": settings.as_dict(),
-        }
+        {"params": resolved_params(params, recipe, fitted.linked), "determinism": settings.as_dict()}
     )
-    val_loss, val_acc = logger.rows("val_loss"), logger.rows("val_acc")
+    logger = fitted.logger
     train_loss = logger.rows("train_loss")
+    validation = [name for name in logger.names() if name.startswith("val_")]
+    columns = [logger.rows(name) for name in validation]
     metrics = {
-        "epochs": len(val_loss),
+        "epochs": len(columns[0]) if columns else 0,
         "steps": len(train_loss),
         "train_loss": train_loss[-1][1],
-        "val_loss": val_loss[-1][1],
-        "val_acc": val_acc[-1][1],
+        **{name: rows[-1][1] for name, rows in zip(validation, columns, strict=True) if rows},
     }
     atomic_write_safetensors(args.model, weights, metadata)
     atomic_write_text(args.metrics, canonical_json(metrics))
     atomic_write_text(args.plots / "train_loss.csv", _csv(("step", "train_loss"), train_loss))
     val_rows = [
-        (epoch, loss, acc)
-        for epoch, ((_, loss), (_, acc)) in enumerate(zip(val_loss, val_acc, strict=True))
+        (epoch, *(value for _, value in row)) for epoch, row in enumerate(zip(*columns, strict=True))
     ]
-    atomic_write_text(args.plots / "val.csv", _csv(("epoch", "val_loss", "val_acc"), val_rows))
+    atomic_write_text(args.plots / "val.csv", _csv(("epoch", *validation), val_rows))
     return {"model": args.model, "metrics": args.metrics}
+
+
+def resolved_params(params: Params, recipe: Recipe, linked: dict[str, Any]) -> dict[str, Any]:
+    """``params`` as a mapping, ``model`` and ``data`` fully resolved; no empty section."""
+    tree = {name: value for name, value in dataclasses.asdict(params).items() if value is not None}
+    tree.update(recipe.record(linked))
+    return tree
 
 
 def _csv(header: tuple[str, ...], rows: list[tuple[float, ...]]) -> str:

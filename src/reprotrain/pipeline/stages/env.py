@@ -8,10 +8,12 @@ otherwise. ``--host-out`` writes the informational ``host`` section beside it
 (``reports/host.json``: CPU model, kernel, Python patch level, glibc...).
 Without ``--out`` the record is printed, with the git state added;
 ``--diff A B`` explains how two records differ, with the fields of a
-``host.json`` beside each (shown, never deciding). With ``--raw-dir`` (as
-``dvc.yaml`` runs it) it first checks params.yaml and the raw data
-(:mod:`reprotrain.pipeline.preflight`), so bad input stops ``dvc repro`` here,
-before DVC deletes any later stage's outputs.
+``host.json`` beside each (shown, never deciding). With ``--out`` (as
+``dvc.yaml`` runs it) it first checks params.yaml, with the model and data
+module it names imported, type-checked and held to the contract
+(:mod:`reprotrain.pipeline.contract`), and with ``--raw-dir`` the raw data
+for the prepare stage (:mod:`reprotrain.pipeline.preflight`), so bad input
+stops ``dvc repro`` here, before DVC deletes any later stage's outputs.
 
 The lock the installed packages must match is ``--lock``, else the file named
 by ``REPROTRAIN_LOCK``, else ``requirements-cpu.lock`` (relative to the working
@@ -144,11 +146,20 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
     params, note = stage_params(args.params, printing=args.out is None and args.raw_dir is None)
     record = whole_environment(args.lock, params)
     checked = ""
-    if args.raw_dir is not None:
-        from reprotrain.pipeline.preflight import preflight
+    if args.out is not None or args.raw_dir is not None:
+        from reprotrain.pipeline.contract import check_recipe
+        from reprotrain.pipeline.preflight import Sizes, preflight
+        from reprotrain.pipeline.recipe import resolve_recipe
 
-        flags = record[HOST_KEY]["cpu"]["dispatch_flags"]
-        checked = f"; {preflight(params, args.raw_dir, record['gpu'], flags, planned_outputs())}"
+        recipe = resolve_recipe(params)
+        check_recipe(params, recipe)
+        checked = f"; checked {recipe.model.class_path} and {recipe.data.class_path}"
+        if args.raw_dir is not None:
+            flags = record[HOST_KEY]["cpu"]["dispatch_flags"]
+            checks = preflight(
+                params, Sizes.of(recipe), args.raw_dir, record["gpu"], flags, planned_outputs()
+            )
+            checked += f"; {checks}"
     if args.out is None:
         shown = {**record, "git": git_state(Path.cwd())}
         return f"environment\n{note}" + json.dumps(shown, indent=2, sort_keys=True)
@@ -166,7 +177,7 @@ def planned_outputs(dvc_yaml: Path = DVC_YAML) -> PlannedOutputs | None:
     if not dvc_yaml.is_file():
         return None
     prepare, train, evaluate = (stage_arguments(s, dvc_yaml) for s in STAGES[1:])
-    reports = (train.metrics, train.plots, train.run_record, evaluate.metrics, evaluate.plots)
+    reports = (train.metrics, train.plots, train.run_record, evaluate.metrics)
     return PlannedOutputs(prepare.out, train.model, train.trace, train.checkpoints, reports)
 
 

@@ -1,20 +1,25 @@
-"""Stage ``evaluate``: trained weights + test split -> ``metrics.json`` and a confusion CSV.
+"""Stage ``evaluate``: trained weights + the data module's test split -> ``metrics.json``.
 
-The network is rebuilt from the params stored in the weights file itself, so
-this stage reads nothing from ``params.yaml``; it also runs under the CPU
-profile the weights were trained with (:mod:`reprotrain.cpuprofile`), whose
-variables the CLI exported at start from ``params.yaml``. With ``--dvc-lock`` the data
-and the weights are first checked against the md5 DVC recorded: a corrupted
-or tampered file is refused before it is read. It runs on the CPU in eval mode
-(no dropout, no randomness) with deterministic algorithms on, in fixed-size
-chunks: identical weights give identical metric bytes.
+The module is rebuilt from what the weights file itself records (its params,
+``model`` and ``data`` fully resolved, the arguments linked from the data
+included), so this stage reads nothing from ``params.yaml`` and works for
+any module that follows the contract (docs/your-model.md): it loads the
+weights strictly, sets the data module up for ``test`` and runs Lightning's
+test loop over the pipeline's test loader, on the CPU in eval mode with
+deterministic algorithms on. ``metrics.json`` holds every metric the
+module's ``test_step`` logs (epoch means) and ``test_samples``: identical
+weights give identical metric bytes. It runs under the CPU profile the
+weights were trained with (:mod:`reprotrain.cpuprofile`), whose variables the
+CLI exported at start from the weights file. With ``--dvc-lock`` each
+``--data`` file and the weights are first checked against the md5 DVC
+recorded: a corrupted or tampered file is refused before it is read.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import DeterminismError
@@ -25,21 +30,22 @@ from reprotrain.pipeline.errors import DataError
 from reprotrain.provenance.dvcchecksum import verify_dvc_checksum
 
 if TYPE_CHECKING:  # torch loads when the stage runs, not when the CLI reads its options
-    import torch
+    import lightning as L
 
 #: The params.yaml keys this stage reads: none, the model file carries them.
 PARAMS: tuple[str, ...] = ()
-_CHUNK = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    required = {
-        "data": "prepared dataset file",
-        "model": "trained weights",
-        "metrics": "test metrics JSON",
-        "plots": "folder for confusion CSV",
-    }
-    add_paths(parser, required, required=True)
+    parser.add_argument(
+        "--data",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a file the data module reads (repeat for more): checked against --dvc-lock",
+    )
+    add_paths(parser, {"model": "trained weights", "metrics": "test metrics JSON"}, required=True)
     add_paths(parser, {"dvc-lock": "verify --data and --model against it"}, required=False)
 
 
@@ -48,55 +54,65 @@ COMMAND = Command("score the test split", add_arguments, restarts=True)
 
 
 def run(_: Params | None, args: argparse.Namespace) -> str:
+    import lightning as L
     import torch
-    from torch.nn import functional as F
 
-    from reprotrain.pipeline.data import load_prepared
+    from reprotrain.pipeline.data import PipelineLoaders
+    from reprotrain.pipeline.training import quiet_lightning
+    from reprotrain.pipeline.recipe import resolve_component
 
     if args.dvc_lock:
-        for path in (args.data, args.model):
+        for path in (*args.data, args.model):
             if not path.is_file():
                 raise DataError(f"{path}: not found; run `dvc repro`")
             verify_dvc_checksum(path, args.dvc_lock)
-    data = load_prepared(args.data)
-    net, trained = load_network(args.model)
+    module, trained = load_module(args.model)
     if problems := trained.cpu.to_profile().apply():
         raise DeterminismError(
             f"{args.model} was trained under cpu.profile {trained.cpu.profile}: {problems[0]}"
         )
     torch.use_deterministic_algorithms(True)
-    x, y = data.split("test")
-    with torch.no_grad():
-        logits = torch.cat([net(chunk) for chunk in x.split(_CHUNK)])
-    predicted = logits.argmax(dim=1)
-    metrics = {
-        "test_samples": len(y),
-        "test_loss": F.cross_entropy(logits, y).item(),
-        "test_acc": (predicted == y).double().mean().item(),
-    }
+    quiet_lightning()
+    source = resolve_component(trained.data, "data", L.LightningDataModule).instantiate()
+    source.setup("test")
+    loader = PipelineLoaders(source, seed=trained.seed).test_dataloader()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+    )
+    scores = trainer.test(module, dataloaders=loader, verbose=False)[0]
+    metrics = {"test_samples": len(loader.dataset), **_floats(scores)}  # type: ignore[arg-type]
     atomic_write_text(args.metrics, canonical_json(metrics))
-    confusion = ["actual,predicted"] + [
-        f"{a},{p}" for a, p in zip(y.tolist(), predicted.tolist(), strict=True)
-    ]
-    atomic_write_text(args.plots / "confusion.csv", "\n".join(confusion) + "\n")
-    return f"test_acc {metrics['test_acc']:.4f} on {len(y)} samples -> {args.metrics}"
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(_floats(scores).items()))
+    return f"{shown} on {metrics['test_samples']} samples -> {args.metrics}"
 
 
-def load_network(path: Path) -> tuple[torch.nn.Module, Params]:
-    """The network rebuilt from a weights file (no pickle), in eval mode, and its params."""
+def _floats(scores: dict[str, Any]) -> dict[str, float]:
+    return {name: float(value) for name, value in scores.items()}
+
+
+def load_module(path: Path) -> tuple[L.LightningModule, Params]:
+    """The module rebuilt from a weights file (no pickle), weights loaded, and its params."""
     from safetensors import SafetensorError
 
-    from reprotrain.pipeline.model import build_network
+    from reprotrain.pipeline.recipe import rebuild_model
 
     try:
         weights, meta = load_safetensors(path)
         params = parse_params(meta["params"], source=f"{path} metadata")
-        shape = tuple(meta["input_shape"])
-        classes = int(meta["num_classes"])
     except FileNotFoundError:
         raise DataError(f"{path}: model not found; run `dvc repro train`") from None
     except (SafetensorError, OSError, KeyError, ValueError) as err:
         raise DataError(f"{path}: not a reprotrain model file ({err}); retrain it") from None
-    net = build_network(params.model, shape, classes)
-    net.load_state_dict(weights, strict=True)
-    return net.eval(), params
+    module = rebuild_model(meta["params"]["model"], source=f"{path} metadata")
+    try:
+        module.load_state_dict(weights, strict=True)
+    except RuntimeError as err:
+        first = str(err).splitlines()[0]
+        raise DataError(f"{path}: its weights do not fit {params.model.class_path} ({first})")
+    return module.eval(), params

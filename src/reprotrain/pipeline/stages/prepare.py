@@ -13,7 +13,8 @@ import argparse
 from typing import TYPE_CHECKING
 
 from reprotrain.pipeline.command import Command, add_paths
-from reprotrain.pipeline.config import DataConfig, Params
+from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.config import PrepareConfig, Params
 
 if TYPE_CHECKING:  # numpy and torch load when the stage runs, not when the CLI reads it
     import numpy as np
@@ -21,7 +22,7 @@ if TYPE_CHECKING:  # numpy and torch load when the stage runs, not when the CLI 
     from reprotrain.pipeline.data import PreparedData
 
 #: The params.yaml keys this stage reads; dvc.yaml lists exactly these.
-PARAMS = ("seed", "data.source", "data.val_fraction", "data.test_fraction")
+PARAMS = ("seed", "prepare")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,14 +39,19 @@ def run(params: Params, args: argparse.Namespace) -> str:
     from reprotrain.pipeline.data import SPLITS, save_prepared
     from reprotrain.pipeline.rawdata import load_raw
 
-    x, y, source = load_raw(params.data.source, args.raw_dir)
-    prepared = split(x, y, params.data, params.seed, source)
+    if params.prepare is None:
+        raise DataError(
+            "params has no prepare section, which this stage reads; add it (`reprotrain params "
+            "--defaults` prints it), or drop the prepare stage from dvc.yaml"
+        )
+    x, y, source = load_raw(params.prepare.source, args.raw_dir)
+    prepared = split(x, y, params.prepare, params.seed, source)
     save_prepared(args.out, prepared)
     sizes = ", ".join(f"{s} {len(prepared.split(s)[1])}" for s in SPLITS)
     return f"prepared {source}: {sizes} -> {args.out}"
 
 
-def split(x: np.ndarray, y: np.ndarray, data: DataConfig, seed: int, source: str) -> PreparedData:
+def split(x: np.ndarray, y: np.ndarray, data: PrepareConfig, seed: int, source: str) -> PreparedData:
     """Seeded train / val / test split; every split must be non-empty."""
     import numpy as np
     import torch

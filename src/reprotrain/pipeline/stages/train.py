@@ -1,8 +1,11 @@
-"""Stage ``train``: prepared data -> ``model.safetensors``, metrics, curves, run record.
+"""Stage ``train``: the model and data params name -> ``model.safetensors``, metrics, run record.
 
 Reads top to bottom: configure determinism (before anything touches CUDA);
-refuse a drifted lock in ``true`` mode; check the prepared data against the
-checksum DVC recorded and compute the run ID; resume from this run ID's
+refuse a drifted lock in ``true`` mode; resolve the model and data module
+params.yaml names (:mod:`reprotrain.pipeline.recipe`) and check them against
+the contract (:mod:`reprotrain.pipeline.contract`); check the data files
+(``--data``) against the checksums DVC recorded and compute the run ID, which
+covers the recipe's resolved arguments and code; resume from this run ID's
 newest verified checkpoint if an earlier attempt was interrupted; fit with
 Lightning, checkpointing every ``train.checkpoint_every_n_epochs`` epochs
 with the full random state; then
@@ -36,12 +39,16 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from reprotrain.determinism import DeterminismSettings, configure_determinism, refuse_or_warn
 from reprotrain.pipeline.command import Command, add_paths
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.run_record import load_environment, run_inputs, write_run_record
 from reprotrain.provenance.identity import run_id
+
+if TYPE_CHECKING:  # jsonargparse and Lightning load when the stage runs
+    from reprotrain.pipeline.recipe import Recipe
 
 #: The params.yaml keys this stage reads; dvc.yaml lists exactly these. The process
 #: layout (train.devices, train.num_nodes, train.strategy) reaches the cache key through
@@ -50,16 +57,11 @@ PARAMS = (
     "seed",
     "deterministic",
     "cpu",
-    "data.batch_size",
-    "data.num_workers",
-    "data.augment",
     "model",
+    "data",
     "train.max_epochs",
     "train.checkpoint_every_n_epochs",
     "train.trace",
-    "train.optimizer",
-    "train.lr",
-    "train.weight_decay",
     "train.accelerator",
     "train.precision",
     "train.world_size_invariant",
@@ -68,8 +70,16 @@ PARAMS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a file the data module reads (repeat for more): checked against --dvc-lock and "
+        "hashed into the run ID",
+    )
     required = {
-        "data": "prepared dataset file",
         "model": "weights to write",
         "metrics": "training metrics JSON",
         "plots": "folder for curve CSVs",
@@ -80,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_paths(parser, required, required=True)
     optional = {
         "trace": "per-step trace to write (read by compare)",
-        "dvc-lock": "verify --data against this dvc.lock",
+        "dvc-lock": "verify each --data file against this dvc.lock",
     }
     add_paths(parser, optional, required=False)
     parser.add_argument(
@@ -99,26 +109,28 @@ COMMAND = Command(
 def run(params: Params, args: argparse.Namespace) -> str:
     # torch and Lightning load here, not with the module: the CLI reads this one for its options.
     from reprotrain.distributed.ddp import this_rank
-    from reprotrain.pipeline.data import load_prepared
+    from reprotrain.pipeline.contract import check_recipe
+    from reprotrain.pipeline.recipe import resolve_recipe
     from reprotrain.pipeline.training import Checkpointing, find_resume_point, fit, write_outputs
     from reprotrain.trace.callback import TraceCallback
 
     settings = configure_determinism(params.seed, params.deterministic, params.cpu.to_profile())
     environment = load_environment(args.env)
     _check_lock(environment["lock"], params.deterministic, args.evidence)
-    inputs = stage_inputs(params, args.data, environment, args.dvc_lock, settings)
+    recipe = resolve_recipe(params)
+    check_recipe(params, recipe)
+    inputs = stage_inputs(params, recipe, args.data, environment, args.dvc_lock, settings)
     identity = run_id(inputs)
     run_dir = args.checkpoints / identity
     resume_from = find_resume_point(run_dir, identity)
-    data = load_prepared(args.data)
     tracer = TraceCallback(None, detail=params.train.trace) if args.trace else None
     checkpointing = Checkpointing(run_dir, identity, resume_from)
-    module, logger = fit(params, data, settings, checkpointing, [tracer] if tracer else [])
+    fitted = fit(params, recipe, settings, checkpointing, [tracer] if tracer else [])
     resumed = f", resumed from {resume_from.name}" if resume_from else ""
     if (rank := this_rank()) != 0:
         return f"rank {rank} trained run {identity[:12]}{resumed}; rank 0 writes"
 
-    outputs = write_outputs(args, params, data, settings, module, logger)
+    outputs = write_outputs(args, params, recipe, settings, fitted)
     if tracer is not None:
         tracer.write(args.trace)
         outputs["trace"] = args.trace
@@ -129,7 +141,8 @@ def run(params: Params, args: argparse.Namespace) -> str:
 
 def stage_inputs(
     params: Params,
-    data: Path,
+    recipe: Recipe,
+    data: list[Path],
     environment: dict,
     dvc_lock: Path | None,
     settings: DeterminismSettings,
@@ -137,7 +150,8 @@ def stage_inputs(
     """This stage's run inputs (so its run ID); under DDP it fixes each rank's threads first.
 
     The code hash covers this module and every ``reprotrain`` module it imports,
-    those imported inside its functions too (:mod:`reprotrain.pipeline.training`).
+    those imported inside its functions too (:mod:`reprotrain.pipeline.training`),
+    and the recipe's code (:func:`reprotrain.pipeline.recipe.code_files`).
     """
     from reprotrain.distributed.ddp import set_threads_per_rank
 
@@ -145,7 +159,9 @@ def stage_inputs(
     if cfg.strategy == "ddp":
         set_threads_per_rank(cfg.devices)
     distributed = distributed_run_input(params)
-    return run_inputs(__name__, params, PARAMS, data, environment, dvc_lock, settings, distributed)
+    return run_inputs(
+        __name__, params, PARAMS, recipe, data, environment, dvc_lock, settings, distributed
+    )
 
 
 def distributed_run_input(params: Params) -> dict:

@@ -1,0 +1,1 @@
+"""Built-in recipes: LightningModules and LightningDataModules named by class_path in params."""
