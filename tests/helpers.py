@@ -55,7 +55,8 @@ def train_argv(prepared: Path, env: Path, out: Path, *overrides: str) -> list[st
     """`reprotrain train` arguments writing a flat run folder ``out`` (as verify's runs)."""
     return [
         "train",
-        *("--params", str(ROOT / "params.yaml"), *overrides),
+        *("--params", str(ROOT / "params.yaml"), "-S", f"data.init_args.path={prepared}"),
+        *overrides,
         *("--data", str(prepared), "--env", str(env), "--checkpoints", str(out / "ckpt")),
         *("--model", str(out / "model.safetensors"), "--trace", str(out / "trace.safetensors")),
         *("--metrics", str(out / "metrics.json"), "--plots", str(out / "plots")),

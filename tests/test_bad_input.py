@@ -77,9 +77,9 @@ CATALOG: dict[str, Case] = {
     **_values("prepare.source", 5),
     **_values("prepare.val_fraction", 0),
     **_values("prepare.test_fraction", 1.2),
-    **_values("data.init_args.batch_size", "64", 0),
+    **_values("data.init_args.batch_size", 2.5, 0),
     **_values("data.init_args.num_workers", -1),
-    **_values("data.init_args.augment", "yes"),
+    **_values("data.init_args.augment", 3),
     **_values("model.init_args.channels", 0),
     **_values("model.init_args.hidden", 2.5),
     **_values("model.init_args.dropout", 1.5),
@@ -108,6 +108,16 @@ CATALOG: dict[str, Case] = {
     "missing section": Case("missing key 'model'", {"model": DELETE}),
     "unknown key": Case("unknown key 'colour'", {"colour": "red"}),
     "unknown nested key": Case("unknown key 'train.momentum'", {"train.momentum": 0.9}),
+    # The model and data module params.yaml names (imported and type-checked, not built).
+    "model class missing": Case("model.class_path", {"model.class_path": "mypkg.Net"}),
+    "data class of the wrong kind": Case(
+        "is not a LightningDataModule",
+        {"data.class_path": "reprotrain.recipes.digits.Classifier"},
+    ),
+    "misspelt init arg": Case("model.init_args.hiddn", {"model.init_args.hiddn": 3}),
+    "linked arg set by hand": Case(
+        "model.init_args.num_classes", {"model.init_args.num_classes": 3}
+    ),
     "empty file": Case("params.yaml: expected a mapping", text=""),
     "a list": Case("params.yaml", text="- seed\n- 42\n", by_dvc=True),
     "broken YAML": Case("params.yaml", text="seed: [\n", by_dvc=True),
@@ -166,8 +176,6 @@ CATALOG: dict[str, Case] = {
             "data/prepared/dataset.safetensors",
             "--metrics",
             "reports/metrics.json",
-            "--plots",
-            "reports/plots/evaluate",
         ),
     ),
     "env --diff of missing records": Case(

@@ -19,7 +19,8 @@ def test_bench_runs_both_workloads_and_its_cost_matches_its_step_times(
     out = tmp_path / "bench.json"
     result = run_cli(
         "bench",
-        *("--params", ROOT / "params.yaml", "--data", prepared, "--device", "cpu"),
+        *("--params", ROOT / "params.yaml", "-S", f"data.init_args.path={prepared}"),
+        *("--device", "cpu"),
         *("--steps", "2", "--warmup", "1", "--repeats", "3"),
         *("--batch-size", "4", "--image-size", "16", "--width", "4", "--out", out),
         cwd=tmp_path,

@@ -2,8 +2,9 @@
 
 The stages depend on ``src/reprotrain``; ``.dvcignore`` hides what no stage
 runs (commands, the CLI, the op recorder, the comparisons), and the run ID
-hashes the files each stage imports (provenance.identity.source_files). The
-two must agree, so an edit to a debugging tool neither reruns ``dvc repro``
+hashes the files each stage imports (provenance.identity.source_files) and
+those of the built-in recipe params.yaml names (pipeline.recipe.code_files).
+The two must agree, so an edit to a debugging tool neither reruns ``dvc repro``
 nor moves the run ID, and an edit to the model does both.
 """
 
@@ -34,9 +35,20 @@ def _dvc_sees(path: Path) -> bool:
     return inside and not ignore.match_file(relative)
 
 
+#: The params files of the repository's pipelines: the recipes they name are run too.
+PARAMS_FILES = (ROOT / "params.yaml",)
+
+
 def _run_by_a_stage() -> set[Path]:
-    return {
+    from reprotrain.pipeline.config import load_params
+    from reprotrain.pipeline.recipe import code_files, resolve_recipe
+
+    stages = {
         path for stage in STAGES for path in source_files(f"reprotrain.pipeline.stages.{stage}")
+    }
+    recipes = [resolve_recipe(load_params(path)) for path in PARAMS_FILES]
+    return stages | {
+        path for recipe in recipes for c in (recipe.model, recipe.data) for path in code_files(c)
     }
 
 
@@ -63,7 +75,7 @@ def test_a_module_no_stage_runs_but_dvc_sees_is_caught() -> None:
 
 def test_the_recorder_and_the_commands_are_outside_the_train_stage_code() -> None:
     train = {str(f.relative_to(PACKAGE)) for f in source_files("reprotrain.pipeline.stages.train")}
-    assert "pipeline/model.py" in train and "trace/callback.py" in train
+    assert "pipeline/recipe.py" in train and "trace/callback.py" in train
     assert not any(f.startswith(("ops/", "commands/", "compare/")) for f in train), train
     assert "distributed/__init__.py" in train  # a package's __init__ runs before its modules
 
@@ -95,7 +107,7 @@ def test_an_edit_reruns_training_and_moves_the_run_id_only_where_it_decides_the_
             f.write("\n# an edit to a tool that observes the bits\n")
     assert not _train_is_stale(repo_copy)
     assert _run_id(repo_copy) == before
-    model = repo_copy / "src" / "reprotrain" / "pipeline" / "model.py"
+    model = repo_copy / "src" / "reprotrain" / "recipes" / "digits.py"
     original = model.read_text()
     model.write_text(original + "\n# an edit to code that decides the bits\n")
     assert _train_is_stale(repo_copy)

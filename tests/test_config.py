@@ -51,22 +51,27 @@ _DELETE = DELETE
         ("colour", "red", "unknown key 'colour'"),
         ("train.momentum", 0.9, "unknown key 'train.momentum'"),
         ("seed", _DELETE, "missing key 'seed'"),
-        ("model.init_args.lr", _DELETE, "missing key 'model.init_args.lr'"),
+        ("train.max_epochs", _DELETE, "missing key 'train.max_epochs'"),
         ("seed", "forty-two", "seed: got 'forty-two'; expected an integer"),
         ("seed", True, "seed: got True; expected an integer"),
         ("seed", 1.5, "seed: got 1.5; expected an integer"),
         ("seed", -1, "seed: got -1; expected an integer >= 0 and <= 4294967295"),
         ("seed", 2**32, "seed: got 4294967296"),
-        ("model.init_args.lr", 0, "model.init_args.lr: got 0; expected a number > 0"),
-        ("model.init_args.lr", "fast", "model.init_args.lr: got 'fast'"),
-        ("data.init_args.num_workers", -1, "data.init_args.num_workers: got -1"),
-        ("data.init_args.augment", "yes", "data.init_args.augment: got 'yes'; expected true or false"),
+        ("model.colour", "red", "unknown key 'model.colour'"),
+        ("model.class_path", 3, "model.class_path: expected a dotted path"),
+        ("data.class_path", "Net", "data.class_path: expected a dotted path"),
+        ("data.init_args", [1], "data.init_args: expected a mapping of argument names"),
+        ("model.code", "src", "model.code: expected a list of files or folders"),
         ("deterministic", "maybe", "deterministic: got 'maybe'; expected one of true, false, warn"),
         ("deterministic", 1, "deterministic: got 1"),
         ("train.accelerator", "auto", "train.accelerator: got 'auto'; expected one of cpu, gpu"),
         ("train.precision", "8-bit", "train.precision: got '8-bit'"),
         ("model", 3, "model: expected a mapping"),
-        ("prepare.val_fraction", 0.9, "prepare.val_fraction + prepare.test_fraction must be below 1"),
+        (
+            "prepare.val_fraction",
+            0.9,
+            "prepare.val_fraction + prepare.test_fraction must be below 1",
+        ),
     ],
 )
 def test_bad_value_names_the_key(key: str, value: object, expected: str) -> None:
@@ -77,15 +82,55 @@ def test_bad_value_names_the_key(key: str, value: object, expected: str) -> None
     assert "\n" not in message
 
 
-def test_float_fields_accept_integers() -> None:
-    assert parse_params(_with("model.init_args.lr", 1)).model.init_args.lr == 1.0
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("model.init_args.lr", 0, "model.init_args.lr: Not of type PositiveFloat: 0 does not"),
+        ("model.init_args.lr", "fast", "model.init_args.lr: Not of type PositiveFloat"),
+        ("data.init_args.num_workers", -1, "data.init_args.num_workers: Not of type NonNeg"),
+        ("model.init_args.hiddn", 3, "model.init_args.hiddn: no such argument of reprotrain"),
+        ("model.init_args.optimizer", "rmsprop", "model.init_args.optimizer: Expected a typing"),
+        ("model.init_args.num_classes", 3, "model.init_args.num_classes: set from the data"),
+        ("model.class_path", "mypkg.Net", "model.class_path: cannot import 'mypkg.Net'"),
+        ("model.class_path", "reprotrain.recipes.digits.DigitsData", "is not a LightningModule"),
+    ],
+)
+def test_bad_init_arg_or_class_names_the_key(key: str, value: object, expected: str) -> None:
+    from reprotrain.pipeline.recipe import resolve_recipe
+
+    params = parse_params(_with(key, value), source="params.yaml")
+    with pytest.raises(ConfigError) as caught:
+        resolve_recipe(params)
+    message = str(caught.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_float_arguments_accept_integers_and_yaml_strings() -> None:
+    from reprotrain.pipeline.recipe import resolve_recipe
+
+    assert resolve_recipe(parse_params(_with("model.init_args.lr", 1))).model.init_args["lr"] == 1.0
+    resolved = resolve_recipe(parse_params(_with("model.init_args.lr", "1e-3")))
+    assert resolved.model.init_args["lr"] == 0.001  # PyYAML reads 1e-3 as a string
+
+
+def test_init_args_may_leave_out_arguments_with_defaults() -> None:
+    from reprotrain.pipeline.recipe import resolve_recipe
+
+    resolved = resolve_recipe(parse_params(_with("model.init_args.lr", _DELETE)))
+    assert resolved.model.init_args["lr"] == 0.005  # the class's default, recorded
 
 
 def test_overrides_apply_with_yaml_types(tmp_path: Path, repo_root: Path) -> None:
     params = load_params(
         repo_root / "params.yaml", ["seed=7", "model.init_args.lr=0.01", "deterministic=warn"]
     )
-    assert (params.seed, params.model.init_args.lr, params.deterministic) == (7, 0.01, "warn")
+    assert (params.seed, params.model.init_args["lr"], params.deterministic) == (7, 0.01, "warn")
+
+
+def test_an_override_may_add_an_init_arg(repo_root: Path) -> None:
+    params = load_params(repo_root / "params.yaml", ["data.init_args.extra=1"])
+    assert params.data.init_args["extra"] == 1
 
 
 @pytest.mark.parametrize("item", ["train.momentum=1", "nokey", "data=3"])
@@ -104,10 +149,10 @@ def test_malformed_yaml_names_file_and_line(tmp_path: Path) -> None:
 _CLI_BAD = {
     "malformed_yaml": ("seed: 42\ndata: [unclosed\n", "params.yaml: not valid YAML (line 3)"),
     "unknown_key": (yaml.safe_dump(_with("colour", "red")), "unknown key 'colour'"),
-    "missing_key": (yaml.safe_dump(_with("model.init_args.lr", _DELETE)), "missing key 'model.init_args.lr'"),
+    "missing_key": (yaml.safe_dump(_with("seed", _DELETE)), "missing key 'seed'"),
     "wrong_type": (
         yaml.safe_dump(_with("model.init_args.lr", -0.5)),
-        "params.yaml: model.init_args.lr: got -0.5; expected a number > 0 and <= 10",
+        "model.init_args.lr: Not of type PositiveFloat: -0.5 does not conform",
     ),
 }
 

@@ -106,6 +106,7 @@ def _train(python: list[str], out: Path, *overrides: str, **env: str) -> dict[st
         ["env", "--out", f"{out}/environment.json", "--host-out", f"{out}/host.json"],
         [
             *("train", "--params", "params.yaml", *overrides),
+            *("-S", f"data.init_args.path={out}/dataset.safetensors"),
             *("--data", f"{out}/dataset.safetensors", "--env", f"{out}/environment.json"),
             *("--checkpoints", f"{out}/ckpt", "--model", f"{out}/model.safetensors"),
             *("--trace", f"{out}/trace.safetensors", "--metrics", f"{out}/metrics.json"),

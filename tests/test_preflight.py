@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import yaml
 
-from reprotrain.pipeline.config import load_params
+from reprotrain.pipeline.config import Params, load_params
 from reprotrain.pipeline.errors import DataError
-from reprotrain.pipeline.preflight import network_parameters, preflight, training_bytes
+from reprotrain.pipeline.preflight import Sizes, network_parameters, preflight, training_bytes
+from reprotrain.pipeline.recipe import resolve_recipe
 from tests.helpers import ROOT, cli_env, params_with
 
 DEFAULTS = ROOT / "params.yaml"
@@ -31,22 +32,26 @@ def _raw(tmp_path: Path, name: str = "user.npz", **arrays: np.ndarray) -> Path:
     return raw
 
 
+def _preflight(params: Params, raw: Path, gpus: list) -> str:
+    """:func:`preflight` as the env stage calls it, with the resolved model's sizes."""
+    return preflight(params, Sizes.of(resolve_recipe(params)), raw, gpus=gpus)
+
+
 def test_the_default_params_and_digits_pass(tmp_path: Path) -> None:
-    text = preflight(load_params(DEFAULTS), tmp_path, gpus=[])
+    text = _preflight(load_params(DEFAULTS), tmp_path, gpus=[])
     assert "1797 samples" in text and "1x8x8" in text and "10 classes" in text
 
 
 def test_network_parameter_count_matches_the_real_network() -> None:
     import torch  # noqa: F401  (the real network, for the count)
 
-    from reprotrain.pipeline.model import build_network
+    from reprotrain.recipes.digits import build_network
 
-    params = load_params(DEFAULTS)
+    cnn = Sizes.of(resolve_recipe(load_params(DEFAULTS))).cnn
+    assert cnn == (16, 64)
     for shape in ((1, 8, 8), (3, 17, 9)):
-        net = build_network(params.model, shape, 7)
-        assert network_parameters(params.model, shape, 7) == sum(
-            p.numel() for p in net.parameters()
-        )
+        net = build_network(shape, 7, *cnn, dropout=0.25)
+        assert network_parameters(cnn, shape, 7) == sum(p.numel() for p in net.parameters())
 
 
 USER_DATA = {
@@ -67,7 +72,7 @@ def test_bad_user_data_is_one_data_error_naming_the_file(tmp_path: Path, case: s
     raw = _raw(tmp_path, **arrays)
     params = load_params(_params(tmp_path, **{"prepare.source": "user.npz"}))
     with pytest.raises(DataError, match=r"user\.npz") as caught:
-        preflight(params, raw, gpus=[])
+        _preflight(params, raw, gpus=[])
     assert expected in str(caught.value) and "\n" not in str(caught.value)
 
 
@@ -79,27 +84,33 @@ def test_a_source_outside_the_raw_folder_is_refused(tmp_path: Path) -> None:
     for source in ("../outside.npz", "link.npz"):
         params = load_params(_params(tmp_path, **{"prepare.source": source}))
         with pytest.raises(DataError, match="resolves outside"):
-            preflight(params, inside, gpus=[])
+            _preflight(params, inside, gpus=[])
     # Negative control: the same file inside the folder is accepted.
     params = load_params(_params(tmp_path, **{"prepare.source": "outside.npz"}))
-    assert "20 samples" in preflight(params, tmp_path / "raw", gpus=[])
+    assert "20 samples" in _preflight(params, tmp_path / "raw", gpus=[])
 
 
 def test_a_gpu_asked_for_where_none_is_visible_is_refused(tmp_path: Path) -> None:
     params = load_params(_params(tmp_path, **{"train.accelerator": "gpu"}))
     with pytest.raises(DataError, match=r"train.accelerator: gpu.*set train.accelerator: cpu"):
-        preflight(params, tmp_path, gpus=[])
+        _preflight(params, tmp_path, gpus=[])
     big = [{"name": "A", "memory": "81559 MiB"}]
-    assert "checked params" in preflight(params, tmp_path, gpus=big)
+    assert "checked params" in _preflight(params, tmp_path, gpus=big)
     small = [{"name": "A", "memory": "1 MiB"}]
     with pytest.raises(DataError, match="GiB to train"):
-        preflight(params, tmp_path, gpus=small)
+        _preflight(params, tmp_path, gpus=small)
 
 
 def test_memory_estimate_grows_with_the_batch(tmp_path: Path) -> None:
-    small = load_params(_params(tmp_path, **{"data.init_args.batch_size": 8}))
-    large = load_params(_params(tmp_path, **{"data.init_args.batch_size": 4096}))
+    small = Sizes.of(
+        resolve_recipe(load_params(_params(tmp_path, **{"data.init_args.batch_size": 8})))
+    )
+    large = Sizes.of(
+        resolve_recipe(load_params(_params(tmp_path, **{"data.init_args.batch_size": 4096})))
+    )
     assert training_bytes(large, (1, 64, 64), 10) > training_bytes(small, (1, 64, 64), 10)
+    # Another module's size is not estimated (no figure is made up for it).
+    assert training_bytes(Sizes(4096, None), (1, 64, 64), 10) == 0
 
 
 def test_env_stage_cli_refuses_bad_params_and_keeps_its_record(tmp_path: Path) -> None:

@@ -56,7 +56,7 @@ def test_user_npz_is_validated_and_split(tmp_path: Path) -> None:
     result = _prepare_fast(tmp_path, "-S", "prepare.source=mine.npz")
     assert result.returncode == 0, result.stderr
     data = load_prepared(tmp_path / "out.safetensors")
-    assert data.input_shape == (1, 6, 6) and prepare.source == "mine.npz"
+    assert data.input_shape == (1, 6, 6) and data.source == "mine.npz"
     assert sum(len(data.split(s)[1]) for s in ("train", "val", "test")) == 40
 
 

@@ -13,6 +13,7 @@ from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.stages import train
 from reprotrain.provenance.dvcchecksum import ChecksumError, md5_file, verify_dvc_checksum
 from reprotrain.provenance.environment import capture_environment
+from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.provenance.identity import code_hash, run_id, source_files
 from tests.helpers import ROOT, commit_all, run_checked, run_cli, stage_argv
 
@@ -26,7 +27,7 @@ def inputs_for(prepared: Path):
     def make(overrides=(), data=prepared, env=environment):
         params = load_params(ROOT / "params.yaml", overrides)
         settings = configure_determinism(params.seed, params.deterministic)
-        return train.stage_inputs(params, data, env, None, settings)
+        return train.stage_inputs(params, resolve_recipe(params), [data], env, None, settings)
 
     return make
 
@@ -69,7 +70,8 @@ def test_one_line_of_code_changes_the_code_hash(tmp_path: Path) -> None:
 
 def test_stage_source_files_are_its_import_closure() -> None:
     names = {f.name for f in source_files("reprotrain.pipeline.stages.train")}
-    assert {"train.py", "training.py", "model.py", "determinism.py", "run_record.py"} <= names
+    assert {"train.py", "training.py", "recipe.py", "determinism.py", "run_record.py"} <= names
+    assert "digits.py" not in names  # the recipe params names: its code is hashed apart
     assert "cli.py" not in names and "evaluate.py" not in names
     # The op recorder observes and never decides the bits: loaded by name, not hashed.
     assert "recorder.py" not in names
@@ -160,7 +162,7 @@ def test_checklist_on_a_clean_tree_has_no_failures(dvc_repo: Path) -> None:
 
 
 def test_checklist_reports_a_dirty_tree(repo_copy: Path) -> None:
-    (repo_copy / "src/reprotrain/pipeline/model.py").write_text("# edited\n", encoding="utf-8")
+    (repo_copy / "src/reprotrain/recipes/digits.py").write_text("# edited\n", encoding="utf-8")
     code, items = _checklist(repo_copy, "--strict")
     assert items["code/clean tree"] == "fail" and code == 1
 

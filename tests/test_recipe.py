@@ -6,7 +6,6 @@ and put on ``sys.path``, as a user's project would be.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import sys
 from collections.abc import Iterator
@@ -17,11 +16,11 @@ import pytest
 import yaml
 
 from reprotrain.hashing import canonical_json
-from reprotrain.pipeline.config import ConfigError, ModelConfig
+from reprotrain.pipeline.config import DEFAULT_MODEL, ConfigError, parse_component
 from reprotrain.pipeline.recipe import ResolvedComponent, code_files, resolve_component
 from reprotrain.provenance.identity import code_hash
 
-CLASSIFIER = "reprotrain.pipeline.model.Classifier"
+CLASSIFIER = "reprotrain.recipes.digits.Classifier"
 FROM_DATA = ("input_shape", "num_classes")  # the pipeline's, from the prepared data
 
 USER_MODEL = '''\
@@ -87,13 +86,16 @@ def user_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
 
 
 def _model(section: dict, provided: tuple[str, ...] = ("num_classes",)) -> ResolvedComponent:
-    return resolve_component(section, "model", L.LightningModule, provided)
+    return resolve_component(
+        parse_component(section, "model"), "model", L.LightningModule, provided
+    )
 
 
 def _error(section: object, base: type = L.LightningModule, provided: tuple = FROM_DATA) -> str:
+    """The one-line error for ``section``: its shape (params) or its resolution."""
     key = "data" if base is L.LightningDataModule else "model"
     with pytest.raises(ConfigError) as caught:
-        resolve_component(section, key, base, provided)
+        resolve_component(parse_component(section, key, source="p"), key, base, provided)
     message = str(caught.value)
     assert "\n" not in message
     return message
@@ -101,9 +103,7 @@ def _error(section: object, base: type = L.LightningModule, provided: tuple = FR
 
 def test_builtin_classifier_resolves_with_every_default_filled_in() -> None:
     resolved = _model({"class_path": CLASSIFIER}, FROM_DATA)
-    assert resolved.init_args["model"] == dataclasses.asdict(ModelConfig())
-    assert resolved.init_args["train"]["optimizer"] == "adam"
-    assert set(resolved.init_args) == {"model", "train"}  # FROM_DATA left to the pipeline
+    assert resolved.init_args == DEFAULT_MODEL.init_args  # params.yaml spells out the defaults
     canonical_json(resolved.record())  # plain JSON: the run record can carry it
     network = resolved.instantiate(input_shape=(1, 8, 8), num_classes=10).net
     assert network[7].out_features == 64
@@ -122,7 +122,7 @@ def test_an_override_reaches_the_resolved_args_and_the_built_object(user_package
 
 def test_a_pasted_lightningcli_data_section_resolves(user_package: Path) -> None:
     section = {"class_path": "usernet.data.Digits", "init_args": {"batch_size": 32}}
-    resolved = resolve_component(section, "data", L.LightningDataModule)
+    resolved = resolve_component(parse_component(section, "data"), "data", L.LightningDataModule)
     assert resolved.record() == {
         "class_path": "usernet.data.Digits",
         "init_args": {"batch_size": 32, "augment": True},
@@ -132,19 +132,18 @@ def test_a_pasted_lightningcli_data_section_resolves(user_package: Path) -> None
 def test_a_misspelt_argument_is_one_line_naming_the_key_and_the_arguments() -> None:
     message = _error({"class_path": CLASSIFIER, "init_args": {"hiddn": 128}})
     assert message == (
-        "model.init_args.hiddn: no such argument of reprotrain.pipeline.model.Classifier "
-        "(its arguments: model, train); remove or rename it"
+        "model.init_args.hiddn: no such argument of reprotrain.recipes.digits.Classifier "
+        "(its arguments: channels, hidden, dropout, optimizer, lr, weight_decay); remove or "
+        "rename it"
     )
-    nested = _error({"class_path": CLASSIFIER, "init_args": {"model": {"hiddn": 128}}})
-    assert nested.startswith("model.init_args.model.hiddn: no such field (its fields: channels,")
 
 
 def test_a_class_that_cannot_be_imported_is_one_line() -> None:
     message = _error({"class_path": "mypkg.Net"})
     assert message.startswith("model.class_path: cannot import 'mypkg.Net' (No module named")
-    missing = _error({"class_path": "reprotrain.pipeline.model.Nope"})
-    assert missing.startswith("model.class_path: module 'reprotrain.pipeline.model' has no 'Nope'")
-    assert _error({"class_path": "Net"}).startswith("model.class_path: expected a dotted path")
+    missing = _error({"class_path": "reprotrain.recipes.digits.Nope"})
+    assert missing.startswith("model.class_path: module 'reprotrain.recipes.digits' has no 'Nope'")
+    assert _error({"class_path": "Net"}).startswith("p: model.class_path: expected a dotted path")
 
 
 def test_a_wrong_type_is_one_line_naming_the_key(user_package: Path) -> None:
@@ -152,10 +151,8 @@ def test_a_wrong_type_is_one_line_naming_the_key(user_package: Path) -> None:
     assert _error(section, provided=("num_classes",)) == (
         "model.init_args.hidden: expected an int, got 'abc'"
     )
-    nested = {"class_path": CLASSIFIER, "init_args": {"model": {"dropout": "x"}}}
-    assert _error(nested) == "model.init_args.model.init_args.dropout: expected a float, got 'x'"
-    scalar = {"class_path": CLASSIFIER, "init_args": {"model": 3}}
-    assert _error(scalar).startswith("model.init_args.model: expected a mapping of its fields")
+    restricted = {"class_path": CLASSIFIER, "init_args": {"dropout": 1.5}}
+    assert _error(restricted).startswith("model.init_args.dropout: Not of type Probability: 1.5")
 
 
 def test_a_class_of_the_wrong_kind_is_refused(user_package: Path) -> None:
@@ -173,19 +170,19 @@ def test_a_missing_required_argument_or_a_pipeline_argument_is_one_line(
     message = _error({"class_path": "usernet.model.NeedsWidth"}, provided=())
     assert message.startswith("model.init_args: usernet.model.NeedsWidth needs width")
     set_twice = {"class_path": CLASSIFIER, "init_args": {"num_classes": 3}}
-    assert _error(set_twice).startswith("model.init_args.num_classes: set by the pipeline")
+    assert _error(set_twice).startswith("model.init_args.num_classes: set from the data module")
 
 
 def test_a_malformed_section_is_one_line() -> None:
-    assert _error({"init_args": {}}).startswith("model: expected a mapping with class_path")
+    assert _error({"init_args": {}}).startswith("p: model: expected a mapping with class_path")
     extra = _error({"class_path": CLASSIFIER, "dict_kwargs": {}})
-    assert extra.startswith("model.dict_kwargs: unknown key")
-    assert _error({"class_path": CLASSIFIER, "init_args": [1]}).startswith("model.init_args:")
-    assert _error({"class_path": CLASSIFIER, "code": "src"}).startswith("model.code: expected")
+    assert extra.startswith("p: unknown key 'model.dict_kwargs'")
+    assert _error({"class_path": CLASSIFIER, "init_args": [1]}).startswith("p: model.init_args:")
+    assert _error({"class_path": CLASSIFIER, "code": "src"}).startswith("p: model.code: expected")
 
 
 def test_code_files_are_the_user_package(user_package: Path) -> None:
-    files = code_files(_model({"class_path": "usernet.model.Net"}))
+    files = code_files(_model({"class_path": "usernet.model.Net"}), root=user_package.parents[1])
     names = ["__init__.py", "data.py", "layers.py", "model.py"]
     assert files == [user_package.resolve() / name for name in names]
 
@@ -196,13 +193,22 @@ def test_a_one_line_edit_to_user_code_moves_the_code_hash_and_restoring_restores
     resolved = _model({"class_path": "usernet.model.Net"})
     root = user_package.parents[1].resolve()
     layers = user_package / "layers.py"
-    before = code_hash(code_files(resolved), root)
-    assert code_hash(code_files(resolved), root) == before
+    before = code_hash(code_files(resolved, root), root)
+    assert code_hash(code_files(resolved, root), root) == before
     layers.write_text(USER_LAYERS.replace("scale = 1", "scale = 2"))
-    edited = code_hash(code_files(resolved), root)
+    edited = code_hash(code_files(resolved, root), root)
     layers.write_text(USER_LAYERS)
     assert edited != before
-    assert code_hash(code_files(resolved), root) == before
+    assert code_hash(code_files(resolved, root), root) == before
+
+
+def test_a_user_package_outside_the_repository_is_refused(user_package: Path) -> None:
+    """DVC could not track it, so the cache key would miss its edits."""
+    resolved = _model({"class_path": "usernet.model.Net"})
+    elsewhere = user_package.parents[2] / "repository"
+    elsewhere.mkdir()
+    with pytest.raises(ConfigError, match=r"^model\.class_path: usernet\.model\.Net comes from"):
+        code_files(resolved, root=elsewhere)
 
 
 def test_a_code_list_adds_files_and_a_missing_entry_is_one_line(user_package: Path) -> None:
@@ -223,5 +229,5 @@ def test_installed_third_party_classes_add_no_code_and_reprotrain_adds_its_impor
     assert code_files(boring) == []
     classifier = code_files(_model({"class_path": CLASSIFIER}, FROM_DATA))
     relative = {path.as_posix().split("src/reprotrain/")[-1] for path in classifier}
-    assert {"pipeline/model.py", "pipeline/config.py"} <= relative
+    assert {"recipes/digits.py", "pipeline/data.py"} <= relative
     assert "pipeline/recipe.py" not in relative

@@ -28,6 +28,9 @@ MAY_IMPORT = {
     "library": {"library"},
     "pipeline": {"library", "pipeline"},
     "stages": {"library", "pipeline"},
+    # Built-in recipes use the pipeline as any user's module does; nothing imports them
+    # (params names them by class_path).
+    "recipes": {"library", "pipeline", "recipes"},
     "commands": {"library", "pipeline", "stages", "commands"},
     "cli": {"library", "pipeline", "stages", "commands", "cli"},
 }
@@ -38,8 +41,8 @@ def layer_of(module: str) -> str:
     parts = module.split(".")[1:]
     if not parts or parts[0] in ("cli", "__main__"):
         return "cli"
-    if parts[0] == "commands":
-        return "commands"
+    if parts[0] in ("commands", "recipes"):
+        return parts[0]
     if parts[0] == "pipeline":
         return "stages" if parts[1:2] == ["stages"] else "pipeline"
     return "library"
@@ -277,7 +280,8 @@ def test_workflow_actions_are_pinned_by_sha_with_read_only_permissions() -> None
 def test_every_stage_command_in_dvc_yaml_parses_with_its_own_parser(stage: str) -> None:
     args = stage_arguments(stage, ROOT / "dvc.yaml")
     paths = {k: v for k, v in vars(args).items() if v is not None and not isinstance(v, bool)}
-    assert paths and all(isinstance(value, Path) for value in paths.values()), paths
+    values = [v for value in paths.values() for v in (value if isinstance(value, list) else [value])]
+    assert paths and all(isinstance(value, Path) for value in values), paths
 
 
 def test_a_stage_command_with_an_unknown_option_is_one_data_error(tmp_path: Path) -> None:

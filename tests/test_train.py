@@ -68,7 +68,10 @@ def test_different_seed_gives_different_weights(runs: dict[str, Path]) -> None:
 def test_model_records_params_and_determinism_in_force(runs: dict[str, Path]) -> None:
     _, meta = load_safetensors(runs["a"] / "model.safetensors")
     assert meta["params"]["train"]["max_epochs"] == int(EPOCHS)
-    assert meta["params"]["data"]["num_workers"] == 2
+    assert meta["params"]["data"]["init_args"]["num_workers"] == 2
+    # The model as built: every argument, those linked from the data included.
+    assert meta["params"]["model"]["init_args"]["num_classes"] == 10
+    assert meta["params"]["model"]["init_args"]["input_shape"] == [1, 8, 8]
     # The CLI was started without PYTHONHASHSEED: it must have restarted itself with it.
     assert meta["determinism"]["python_hash_seed"] == "0"
     assert meta["determinism"]["hash_seed_fixed_at_start"] is True
@@ -114,7 +117,7 @@ def test_compare_blames_the_seed_from_step_zero(runs: dict[str, Path], tmp_path:
     assert report["trace"]["first_step"] == 0
     assert {d["key"] for d in report["inputs"]} == {"params.seed", "determinism.seed"}
     rows = {row["name"]: row for row in report["weights"]}
-    assert not rows["0.weight"]["equal"] and rows["0.weight"]["max_abs_diff"] > 0
+    assert not rows["net.0.weight"]["equal"] and rows["net.0.weight"]["max_abs_diff"] > 0
 
 
 def test_gpu_accelerator_without_cuda_is_one_line_naming_the_key(

@@ -114,7 +114,9 @@ def test_locate_names_the_injected_layer_and_nothing_without_it(
 ) -> None:
     inject = {"PYTHONPATH": INJECT, "REPROTRAIN_TEST_NOISE_FROM_STEP": "0"} if noise else {}
     result = run_cli(
-        "locate", "--params", ROOT / "params.yaml", "--data", prepared, cwd=ROOT, **inject
+        *("locate", "--params", ROOT / "params.yaml", "-S", f"data.init_args.path={prepared}"),
+        cwd=ROOT,
+        **inject,
     )
     if noise:
         assert result.returncode == 1, result.stderr

@@ -92,7 +92,9 @@ def add_param_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deterministic", choices=("true", "false", "warn"), help="override `deterministic`"
     )
-    add_override_option(parser, "override any key, e.g. -S model.init_args.lr=0.01 (as in `dvc exp run -S`)")
+    add_override_option(
+        parser, "override any key, e.g. -S model.init_args.lr=0.01 (as in `dvc exp run -S`)"
+    )
 
 
 def overrides(args: argparse.Namespace) -> list[str]:

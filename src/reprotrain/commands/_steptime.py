@@ -136,7 +136,11 @@ def time_run(
         _sync(device)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = model.training_step(batch, step) if lightning else F.cross_entropy(model(batch[0]), batch[1])
+        loss = (
+            model.training_step(batch, step)
+            if lightning
+            else F.cross_entropy(model(batch[0]), batch[1])
+        )
         loss.backward()
         optimizer.step()
         _sync(device)

@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # torch loads when it measures (commands._steptime), not with
 
     from reprotrain.commands._steptime import Batches, Setup
 
-PARAMS = ("seed", "cpu", "data.init_args.batch_size", "model", "train")
+PARAMS = ("seed", "cpu", "model", "data", "train")
 BOOTSTRAP_SAMPLES = 2000
 #: Below this many pairs a bootstrap interval is too coarse to call an effect resolved.
 MIN_PAIRS_FOR_VERDICT = 5

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.determinism import configure_determinism
-from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
+from reprotrain.pipeline.command import Command, add_dvc_yaml
 from reprotrain.pipeline.config import Params
 
 if TYPE_CHECKING:  # torch and Lightning load when it runs, not when the CLI reads it
@@ -55,7 +55,6 @@ def _training_step(module: Any, batch: Any) -> torch.Tensor:
 
 def run(params: Params, args: argparse.Namespace) -> int:
     import torch
-
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
     from reprotrain.compare.modules import locate_divergence

@@ -74,7 +74,12 @@ DEFAULT_MODEL = Component(
 )
 DEFAULT_DATA = Component(
     "reprotrain.recipes.digits.DigitsData",
-    {"path": "data/prepared/dataset.safetensors", "batch_size": 64, "num_workers": 2, "augment": True},
+    {
+        "path": "data/prepared/dataset.safetensors",
+        "batch_size": 64,
+        "num_workers": 2,
+        "augment": True,
+    },
 )
 COMPONENT_HELP = {
     "model": "the LightningModule: class_path and init_args, as in a LightningCLI config "
@@ -117,13 +122,13 @@ class TrainConfig:
     world_size_invariant: bool = _spec(
         False,
         "true: the same bits at any world size (1, 2, 4...: a power of two dividing "
-        "data.init_args.batch_size / micro_batch_size), via micro-batches added in a fixed tree; the "
-        "world size then leaves the run ID (docs/world-size-invariance.md)",
+        "data.init_args.batch_size / micro_batch_size), via micro-batches added in a fixed "
+        "tree; the world size then leaves the run ID (docs/world-size-invariance.md)",
     )
     micro_batch_size: int = _spec(
         16,
-        "samples per micro-batch under world_size_invariant (must divide data.init_args.batch_size); "
-        "unused otherwise",
+        "samples per micro-batch under world_size_invariant (must divide "
+        "data.init_args.batch_size); unused otherwise",
         ge=1,
         le=65536,
     )
@@ -301,7 +306,7 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
                 f"({_example(key, spec, hints[name])})"
             )
         if kind is Component:
-            values[name] = _component(raw[name], key, source)
+            values[name] = parse_component(raw[name], key, source)
         elif dataclasses.is_dataclass(kind):
             values[name] = _build(kind, raw[name], f"{key}.", source)
         else:
@@ -315,7 +320,7 @@ def _section_type(hint: Any) -> Any:
     return args[0] if type(None) in typing.get_args(hint) and len(args) == 1 else hint
 
 
-def _component(raw: Any, key: str, source: str) -> Component:
+def parse_component(raw: Any, key: str, source: str = "params") -> Component:
     """The shape of a ``{class_path, init_args, code}`` section; the class is not imported."""
     example = f"write e.g. {key}: {{class_path: mypkg.module.MyClass, init_args: {{}}}}"
     if not isinstance(raw, Mapping) or "class_path" not in raw:

@@ -22,6 +22,7 @@ them after a SIGTERM, which any run may meet, so it is refused in every mode.
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any
 
 from reprotrain.pipeline.config import ConfigError, Params, check_invariant_layout
@@ -83,6 +84,28 @@ def check_recipe(params: Params, recipe: Recipe) -> None:
             )
     if params.train.world_size_invariant:
         check_invariant_layout(params.train, data.init_args["batch_size"], "params")
+
+
+def check_data_files(recipe: Recipe, data: list[Path]) -> None:
+    """Refuse a file the data module names that the run ID would not cover.
+
+    Any top-level ``data.init_args`` string that names an existing file or
+    folder is data the module reads; it must be one of the train stage's
+    ``--data`` files (or lie in one of its folders), which are checked against
+    ``dvc.lock`` and hashed into the run ID. Otherwise a changed file would
+    train other bits under the same run ID.
+    """
+    listed = [path.resolve() for path in data]
+    for name, value in recipe.data.init_args.items():
+        if not isinstance(value, str) or not value or not Path(value).exists():
+            continue
+        target = Path(value).resolve()
+        if not any(target == path or target.is_relative_to(path) for path in listed):
+            raise ConfigError(
+                f"data.init_args.{name}: {value} is read by {recipe.data.class_path} but is not "
+                "a --data file of the train stage, so the run ID would not cover it; add "
+                f"`--data {value}` to the train stage's cmd in dvc.yaml (and {value} to its deps)"
+            )
 
 
 def check_datasets(datamodule: Any) -> None:

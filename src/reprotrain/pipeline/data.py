@@ -87,7 +87,7 @@ class PreparedData:
 
 def save_prepared(path: str | Path, data: PreparedData) -> None:
     """Write ``data`` atomically as one safetensors file."""
-    metadata = safetensors_metadata({"num_classes": data.num_classes, "source": prepare.source})
+    metadata = safetensors_metadata({"num_classes": data.num_classes, "source": data.source})
     atomic_write_safetensors(path, data.tensors, metadata)
 
 

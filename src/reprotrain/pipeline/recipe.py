@@ -95,9 +95,7 @@ def resolve_component(
         message = _one_line(str(err), parser, section.init_args, key, section.class_path)
         raise ConfigError(message) from None
     resolved = json.loads(parser.dump(namespace, format="json"))
-    return ResolvedComponent(
-        key, section.class_path, cls, resolved, tuple(provided), section.code
-    )
+    return ResolvedComponent(key, section.class_path, cls, resolved, tuple(provided), section.code)
 
 
 @dataclass(frozen=True)

@@ -320,7 +320,10 @@ def write_outputs(
         one = dataclasses.replace(params.train, devices=1, num_nodes=1, strategy="single_device")
         params = dataclasses.replace(params, train=one)
     metadata = safetensors_metadata(
-        {"params": resolved_params(params, recipe, fitted.linked), "determinism": settings.as_dict()}
+        {
+            "params": resolved_params(params, recipe, fitted.linked),
+            "determinism": settings.as_dict(),
+        }
     )
     logger = fitted.logger
     train_loss = logger.rows("train_loss")
@@ -336,7 +339,8 @@ def write_outputs(
     atomic_write_text(args.metrics, canonical_json(metrics))
     atomic_write_text(args.plots / "train_loss.csv", _csv(("step", "train_loss"), train_loss))
     val_rows = [
-        (epoch, *(value for _, value in row)) for epoch, row in enumerate(zip(*columns, strict=True))
+        (epoch, *(value for _, value in row))
+        for epoch, row in enumerate(zip(*columns, strict=True))
     ]
     atomic_write_text(args.plots / "val.csv", _csv(("epoch", *validation), val_rows))
     return {"model": args.model, "metrics": args.metrics}

@@ -26,8 +26,13 @@ from typing import Literal
 import lightning as L
 import numpy as np
 import torch
-from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
-from jsonargparse.typing import restricted_number_type
+from jsonargparse.typing import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    restricted_number_type,
+)
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
@@ -103,9 +108,7 @@ class Classifier(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = self.parameters()
         if self.optimizer == "sgd":
-            return torch.optim.SGD(
-                params, lr=self.lr, momentum=0.9, weight_decay=self.weight_decay
-            )
+            return torch.optim.SGD(params, lr=self.lr, momentum=0.9, weight_decay=self.weight_decay)
         optimizer = torch.optim.AdamW if self.optimizer == "adamw" else torch.optim.Adam
         return optimizer(params, lr=self.lr, weight_decay=self.weight_decay)
 

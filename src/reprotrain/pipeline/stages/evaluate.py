@@ -58,8 +58,8 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
     import torch
 
     from reprotrain.pipeline.data import PipelineLoaders
-    from reprotrain.pipeline.training import quiet_lightning
     from reprotrain.pipeline.recipe import resolve_component
+    from reprotrain.pipeline.training import quiet_lightning
 
     if args.dvc_lock:
         for path in (*args.data, args.model):
@@ -114,5 +114,6 @@ def load_module(path: Path) -> tuple[L.LightningModule, Params]:
         module.load_state_dict(weights, strict=True)
     except RuntimeError as err:
         first = str(err).splitlines()[0]
-        raise DataError(f"{path}: its weights do not fit {params.model.class_path} ({first})")
+        message = f"{path}: its weights do not fit {params.model.class_path} ({first})"
+        raise DataError(message) from None
     return module.eval(), params

@@ -13,8 +13,8 @@ import argparse
 from typing import TYPE_CHECKING
 
 from reprotrain.pipeline.command import Command, add_paths
+from reprotrain.pipeline.config import Params, PrepareConfig
 from reprotrain.pipeline.errors import DataError
-from reprotrain.pipeline.config import PrepareConfig, Params
 
 if TYPE_CHECKING:  # numpy and torch load when the stage runs, not when the CLI reads it
     import numpy as np
@@ -51,7 +51,9 @@ def run(params: Params, args: argparse.Namespace) -> str:
     return f"prepared {source}: {sizes} -> {args.out}"
 
 
-def split(x: np.ndarray, y: np.ndarray, data: PrepareConfig, seed: int, source: str) -> PreparedData:
+def split(
+    x: np.ndarray, y: np.ndarray, data: PrepareConfig, seed: int, source: str
+) -> PreparedData:
     """Seeded train / val / test split; every split must be non-empty."""
     import numpy as np
     import torch

@@ -1,9 +1,10 @@
 """Stage ``train``: the model and data params name -> ``model.safetensors``, metrics, run record.
 
-Reads top to bottom: configure determinism (before anything touches CUDA);
-refuse a drifted lock in ``true`` mode; resolve the model and data module
-params.yaml names (:mod:`reprotrain.pipeline.recipe`) and check them against
-the contract (:mod:`reprotrain.pipeline.contract`); check the data files
+Reads top to bottom: resolve the model and data module params.yaml names
+(:mod:`reprotrain.pipeline.recipe`: imported, type-checked, no object built)
+and check them against the contract (:mod:`reprotrain.pipeline.contract`);
+configure determinism (before anything touches CUDA); refuse a drifted lock
+in ``true`` mode; check the data files
 (``--data``) against the checksums DVC recorded and compute the run ID, which
 covers the recipe's resolved arguments and code; resume from this run ID's
 newest verified checkpoint if an earlier attempt was interrupted; fit with
@@ -109,16 +110,17 @@ COMMAND = Command(
 def run(params: Params, args: argparse.Namespace) -> str:
     # torch and Lightning load here, not with the module: the CLI reads this one for its options.
     from reprotrain.distributed.ddp import this_rank
-    from reprotrain.pipeline.contract import check_recipe
+    from reprotrain.pipeline.contract import check_data_files, check_recipe
     from reprotrain.pipeline.recipe import resolve_recipe
     from reprotrain.pipeline.training import Checkpointing, find_resume_point, fit, write_outputs
     from reprotrain.trace.callback import TraceCallback
 
+    recipe = resolve_recipe(params)  # bad input first: one line, nothing written
+    check_recipe(params, recipe)
+    check_data_files(recipe, args.data)
     settings = configure_determinism(params.seed, params.deterministic, params.cpu.to_profile())
     environment = load_environment(args.env)
     _check_lock(environment["lock"], params.deterministic, args.evidence)
-    recipe = resolve_recipe(params)
-    check_recipe(params, recipe)
     inputs = stage_inputs(params, recipe, args.data, environment, args.dvc_lock, settings)
     identity = run_id(inputs)
     run_dir = args.checkpoints / identity
