@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -27,8 +28,9 @@ from reprotrain.determinism import configure_determinism
 from reprotrain.distributed.ddp import set_threads_per_rank, this_rank
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.config import Params, load_params
-from reprotrain.pipeline.data import load_prepared, save_prepared
+from reprotrain.pipeline.data import save_prepared
 from reprotrain.pipeline.rawdata import load_raw
+from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.pipeline.stages import prepare
 from reprotrain.pipeline.stages.env import record_environment
 from reprotrain.pipeline.training import fit
@@ -38,19 +40,30 @@ sys.path.insert(0, str(ROOT))
 from tests.helpers import cli_env  # noqa: E402
 
 
+def with_data(params: Params, path: Path, **init_args: object) -> Params:
+    """``params`` with the data module reading ``path`` (its ``init_args.path``), and with
+    any other of its ``init_args`` given here."""
+    init_args = {**params.data.init_args, "path": str(path), **init_args}
+    return dataclasses.replace(params, data=dataclasses.replace(params.data, init_args=init_args))
+
+
 @contextlib.contextmanager
 def train_workspace(params: Params) -> Iterator[argparse.Namespace]:
-    """Yield the `train` stage's arguments, pointing into a prepared temporary folder."""
+    """Yield the `train` stage's arguments, pointing into a prepared temporary folder.
+
+    The prepared file is ``args.data[0]``; the stage reads what ``data.init_args.path``
+    names, so train with :func:`with_data` ``(params, args.data[0])``.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         x, y, source = load_raw(params.prepare.source, work)
         save_prepared(
-            work / "data.safetensors", prepare.split(x, y, params.data, params.seed, source)
+            work / "data.safetensors", prepare.split(x, y, params.prepare, params.seed, source)
         )
         environment = record_environment(ROOT / "requirements-cpu.lock")
         (work / "environment.json").write_text(canonical_json(environment))
         yield argparse.Namespace(
-            data=work / "data.safetensors",
+            data=[work / "data.safetensors"],
             model=work / "model.safetensors",
             metrics=work / "metrics.json",
             plots=work / "plots",
@@ -116,11 +129,11 @@ class StepTimer(L.Callback):
 
 def time_training(data: Path, overrides: list[str]) -> None:
     """Worker side: fit params.yaml with ``overrides``; rank 0 prints its median step as JSON."""
-    params = load_params(ROOT / "params.yaml", overrides)
+    params = with_data(load_params(ROOT / "params.yaml", overrides), data)
     settings = configure_determinism(params.seed, params.deterministic)
     threads = set_threads_per_rank(params.train.devices)
     timer = StepTimer()
-    fit(params, load_prepared(data), settings, callbacks=[timer])
+    fit(params, resolve_recipe(params), settings, callbacks=[timer])
     if this_rank() == 0:
         step = statistics.median(timer.per_step)
         print(json.dumps({"step_s": step, "steps": len(timer.per_step), "threads": threads}))

@@ -20,7 +20,8 @@ run() {
 	mkdir -p "$name"
 	env "$@" reprotrain train --data d.safetensors --env env.json --model "$name/m.safetensors" \
 		--metrics "$name/met.json" --plots "$name/plots" --run-record "$name/run.json" \
-		--checkpoints "$name/ck" -S train.max_epochs=3 -S data.init_args.num_workers=0 >/dev/null
+		--checkpoints "$name/ck" -S train.max_epochs=3 -S data.init_args.num_workers=0 \
+		-S data.init_args.path=d.safetensors >/dev/null
 	printf '%-28s %s\n' "$name" "$(python -c "from reprotrain.hashing import sha256_state_dict as f, load_safetensors as l; print(f(l('$name/m.safetensors')[0])[:16])")"
 }
 grep -m1 "model name" /proc/cpuinfo

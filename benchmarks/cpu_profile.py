@@ -55,6 +55,8 @@ def train(profile: str, work: Path) -> float:
         ROOT / "params.yaml",
         "-S",
         f"cpu.profile={profile}",
+        "-S",
+        f"data.init_args.path={work / 'data.safetensors'}",
     ]
     argv += [
         "--data",

@@ -37,7 +37,10 @@ def main() -> None:
         for _ in range(cli.repeats):
             for name, (devices, batch) in layouts.items():
                 overrides = ["train.strategy=ddp", f"train.devices={devices}"]
-                overrides += [f"train.max_epochs={cli.epochs}", f"data.init_args.batch_size={batch}"]
+                overrides += [
+                    f"train.max_epochs={cli.epochs}",
+                    f"data.init_args.batch_size={batch}",
+                ]
                 results[name].append(timed_training(__file__, data, overrides))
     print(f"global batch {cli.batch}, {cli.repeats} interleaved fresh trainings each, gloo on CPU")
     medians = {}

@@ -110,6 +110,8 @@ class Evidence:
         run = self.work / name
         run.mkdir()
         sets = [f"train.accelerator={self.accelerator}", f"train.max_epochs={EPOCHS[self.quick]}"]
+        # The data module reads what data.init_args.path names; --data only hashes the file.
+        sets.append(f"data.init_args.path={self.work / 'data.safetensors'}")
         if self.quick:
             sets.append("data.init_args.num_workers=0")
         result = self.cli(
@@ -247,8 +249,7 @@ def step_bench(ev: Evidence) -> dict[str, Any]:
     raw = ev.work / "bench.json"
     sizes = BENCH[ev.quick]
     result = ev.cli(
-        "bench", "--device", ev.args.device, "--workload", "conv", *sizes,
-        "--data", ev.work / "data.safetensors", "--out", raw,
+        "bench", "--device", ev.args.device, "--workload", "conv", *sizes, "--out", raw,
     )  # fmt: skip
     _check(result, "reprotrain bench")
     return read_json(raw)

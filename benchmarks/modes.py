@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from _workspace import ROOT, train_workspace
+from _workspace import ROOT, train_workspace, with_data
 from reprotrain.determinism import reexec_with_fixed_hash_seed
 from reprotrain.hashing import sha256_file
 from reprotrain.pipeline.config import load_params
@@ -30,16 +30,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=None, help="default: params.yaml")
     cli = parser.parse_args()
-    reexec_with_fixed_hash_seed()
     overrides = [] if cli.epochs is None else [f"train.max_epochs={cli.epochs}"]
     base = load_params(ROOT / "params.yaml", overrides)
-    modes = {
-        str(mode).lower(): dataclasses.replace(base, deterministic=mode) for mode in (True, False)
-    }
-
-    times: dict[str, list[float]] = {name: [] for name in modes}
-    hashes: dict[str, set[str]] = {name: set() for name in modes}
+    # The stage's CPU profile (threads, kernels) works only from process start, as in the CLI.
+    reexec_with_fixed_hash_seed(base.cpu.to_profile().variables())
+    times: dict[str, list[float]] = {"true": [], "false": []}
+    hashes: dict[str, set[str]] = {name: set() for name in times}
     with train_workspace(base) as args:
+        base = with_data(base, args.data[0])
+        modes = {
+            str(mode).lower(): dataclasses.replace(base, deterministic=mode)
+            for mode in (True, False)
+        }
         train.run(modes["true"], args)  # warm-up
         for _ in range(cli.repeats):
             for name, params in modes.items():

@@ -44,13 +44,16 @@ from reprotrain.ops import recording
 from reprotrain.ops.recorder import record_step
 from reprotrain.ops.recording import _crc
 from reprotrain.pipeline.config import load_params
-from reprotrain.pipeline.model import build_network
+from reprotrain.pipeline.recipe import resolve_recipe
+from reprotrain.recipes.digits import build_network
 from trace_overhead import MLP
 
 
 def pipeline_network() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    params = load_params(ROOT / "params.yaml", [])
-    net = build_network(params.model, (1, 8, 8), 10)
+    """The digits recipe's network with params.yaml's model arguments (defaults filled in)."""
+    model = resolve_recipe(load_params(ROOT / "params.yaml", [])).model.init_args
+    sizes = (model["channels"], model["hidden"], model["dropout"])
+    net = build_network((1, 8, 8), 10, *sizes)
     return net, torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
 
 

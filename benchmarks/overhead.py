@@ -3,11 +3,14 @@
 Both sides run in this one process, interleaved (ours, bare, ours, bare, ...)
 after a warm-up of each, on the same prepared digits data, model, seed and
 determinism flags. "Ours" is the real stage function (determinism set-up,
-data checks, in-memory logger, atomic safetensors/JSON/CSV writes); "bare" is
+resolving and checking the model and data module params.yaml names, data
+checks, in-memory logger, atomic safetensors/JSON/CSV writes); "bare" is
 `seed_everything` + `Trainer(deterministic=True, logger=False).fit` on the
-same LightningModule and DataModule. Process start-up and imports are the
-same for both and are left out of the ratio; one fresh `reprotrain train`
-process (imports and the hash-seed restart included) is timed separately.
+same LightningModule and data module, built by their constructors, the data
+module's datasets in the same loaders (``PipelineLoaders``). Process start-up
+and imports are the same for both and are left out of the ratio; one fresh
+`reprotrain train` process (imports and the hash-seed restart included) is
+timed separately.
 Target: ratio of medians <= 1.02.
 
     .venv/bin/python benchmarks/overhead.py [--repeats 8] [--epochs 10]
@@ -23,11 +26,11 @@ import time
 
 import lightning as L
 
-from _workspace import ROOT, train_workspace
+from _workspace import ROOT, train_workspace, with_data
 from reprotrain.determinism import reexec_with_fixed_hash_seed
 from reprotrain.pipeline.config import load_params
-from reprotrain.pipeline.data import PreparedDataModule, load_prepared
-from reprotrain.pipeline.model import Classifier
+from reprotrain.pipeline.data import PipelineLoaders
+from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.pipeline.stages import train
 
 
@@ -35,31 +38,49 @@ def overrides_as_flags(overrides: list[str]) -> list[str]:
     return [flag for item in overrides for flag in ("-S", item)]
 
 
+def stage_flags(args: argparse.Namespace) -> list[str]:
+    """The train stage's command-line flags for ``args`` (what `reprotrain train` parses)."""
+    flags = []
+    for key, value in vars(args).items():
+        flag = f"--{key.replace('_', '-')}"
+        if value is None or value is False:
+            continue
+        if value is True:
+            flags.append(flag)
+        elif isinstance(value, list):
+            flags += [f"{flag}={item}" for item in value]
+        else:
+            flags.append(f"{flag}={value}")
+    return flags
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=None, help="default: params.yaml")
     cli = parser.parse_args()
-    reexec_with_fixed_hash_seed()
     overrides = [] if cli.epochs is None else [f"train.max_epochs={cli.epochs}"]
     params = load_params(ROOT / "params.yaml", overrides)
+    # The stage's CPU profile (threads, kernels) works only from process start, as in the CLI.
+    reexec_with_fixed_hash_seed(params.cpu.to_profile().variables())
 
     with train_workspace(params) as args:
+        # The data module reads the workspace's prepared file, in here and in the fresh process.
+        overrides.append(f"data.init_args.path={args.data[0]}")
+        params = with_data(params, args.data[0])
+        recipe = resolve_recipe(params)
 
         def ours() -> None:
             train.run(params, args)
 
         def bare() -> None:
             L.seed_everything(params.seed, workers=True, verbose=False)
-            data = load_prepared(args.data)
-            module = Classifier(params.model, params.train, data.input_shape, data.num_classes)
-            datamodule = PreparedDataModule(
-                data,
-                params.data.init_args.batch_size,
-                params.data.init_args.num_workers,
-                params.data.init_args.augment,
-                params.seed,
-            )
+            # The classes params names, built as a user would (no argument parsing).
+            source = recipe.data.cls(**recipe.data.init_args)
+            source.setup("fit")
+            linked = {name: getattr(source, name) for name in recipe.model.provided}
+            module = recipe.model.cls(**recipe.model.init_args, **linked)
+            datamodule = PipelineLoaders(source, seed=params.seed)
             L.Trainer(
                 accelerator=params.train.accelerator,
                 devices=params.train.devices,
@@ -75,11 +96,10 @@ def main() -> None:
 
         start = time.perf_counter()
         subprocess.run(
-            [sys.executable, "-m", "reprotrain", "train", *overrides_as_flags(overrides)]
-            + [
-                f"--{key.replace('_', '-')}={value}"
-                for key, value in vars(args).items()
-                if value is not None
+            [
+                *(sys.executable, "-m", "reprotrain", "train"),
+                *overrides_as_flags(overrides),
+                *stage_flags(args),
             ],
             cwd=ROOT,
             check=True,

@@ -27,7 +27,8 @@ run() {
 	env "$@" reprotrain train --data d.safetensors --env "$name/env.json" \
 		--model "$name/m.safetensors" --metrics "$name/met.json" --plots "$name/plots" \
 		--run-record "$name/run.json" --checkpoints "$name/ck" -S train.max_epochs=3 \
-		-S data.init_args.num_workers=0 -S "cpu.profile=$profile" >"$name/log" 2>&1 ||
+		-S data.init_args.num_workers=0 -S data.init_args.path=d.safetensors \
+		-S "cpu.profile=$profile" >"$name/log" 2>&1 ||
 		{ echo "$name failed: $(tail -n1 "$name/log")"; return; }
 	printf '%-40s %s\n' "$name" "$(python -c "from reprotrain.hashing import sha256_state_dict as f, load_safetensors as l; print(f(l('$name/m.safetensors')[0])[:16])")"
 }

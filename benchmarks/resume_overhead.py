@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from _workspace import ROOT, train_workspace
+from _workspace import ROOT, train_workspace, with_data
 from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
 from reprotrain.pipeline.config import load_params
-from reprotrain.pipeline.data import load_prepared
-from reprotrain.pipeline.training import Checkpointing
+from reprotrain.pipeline.recipe import resolve_recipe
+from reprotrain.pipeline.training import Checkpointing, fit
 from reprotrain.resume import RandomStateCallback
 
 
@@ -38,19 +38,20 @@ def main() -> None:
     params = load_params(ROOT / "params.yaml")
     times: dict[str, list[float]] = {"with random state": [], "without": []}
     with train_workspace(params) as args, tempfile.TemporaryDirectory() as ckpt:
-        data = load_prepared(args.data)
+        params = with_data(params, args.data[0])
+        recipe = resolve_recipe(params)
 
-        def fit(random_state: bool) -> float:
+        def timed_fit(random_state: bool) -> float:
             settings = configure_determinism(params.seed, params.deterministic)
             start = time.perf_counter()
             folder = Path(ckpt) / str(random_state)
-            fit(params, data, settings, Checkpointing(folder, "bench", None, random_state))
+            fit(params, recipe, settings, Checkpointing(folder, "bench", None, random_state))
             return time.perf_counter() - start
 
-        fit(True), fit(False)  # warm-up
+        timed_fit(True), timed_fit(False)  # warm-up
         for _ in range(cli.repeats):
-            times["with random state"].append(fit(True))
-            times["without"].append(fit(False))
+            times["with random state"].append(timed_fit(True))
+            times["without"].append(timed_fit(False))
     med = {name: statistics.median(values) for name, values in times.items()}
     epochs = params.train.max_epochs
     saves = epochs // params.train.checkpoint_every_n_epochs

@@ -55,13 +55,13 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from _workspace import ROOT, train_workspace
+from _workspace import ROOT, train_workspace, with_data
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.config import load_params
-from reprotrain.pipeline.data import PreparedDataModule, load_prepared
-from reprotrain.pipeline.model import Classifier
+from reprotrain.pipeline.data import PipelineLoaders
+from reprotrain.pipeline.recipe import build, resolve_recipe
 from reprotrain.trace.callback import DEFAULT_WEIGHTS_EVERY, TraceCallback
 
 MODES = ("off", "default", "full")
@@ -247,23 +247,17 @@ def main() -> None:
 
     params = load_params(ROOT / "params.yaml", [])
     with train_workspace(params) as args:
-        prepared = load_prepared(args.data)
+        params = with_data(params, args.data[0], num_workers=cli.workers)
+        recipe = resolve_recipe(params)
+        source, _, linked = build(recipe)  # the data module, set up once
 
         def pipeline_model() -> tuple[L.LightningModule, Any]:
-            module = Classifier(
-                params.model, params.train, prepared.input_shape, prepared.num_classes
-            )
-            data = PreparedDataModule(
-                prepared,
-                params.data.init_args.batch_size,
-                cli.workers,
-                params.data.init_args.augment,
-                params.seed,
-            )
-            return module, data
+            module = recipe.model.instantiate(**linked)
+            return module, PipelineLoaders(source, seed=params.seed)
 
         size = sum(p.numel() for p in pipeline_model()[0].parameters())
-        name = f"pipeline Classifier ({size:,} parameters, default params, {cli.workers} workers)"
+        model = recipe.model.class_path.rpartition(".")[2]
+        name = f"pipeline {model} ({size:,} parameters, default params, {cli.workers} workers)"
         results = [measure(name, pipeline_model, cli.epochs, cli.repeats, cli.accelerator)]
 
     if cli.mlp_steps > 0:

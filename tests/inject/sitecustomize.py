@@ -1,9 +1,10 @@
 """Test-only fault injection: Python imports this at start-up when ``tests/inject`` is on
 PYTHONPATH, in every process a test starts (``reprotrain`` and the trainings it spawns).
 
-With ``REPROTRAIN_TEST_NOISE_FROM_STEP=k`` the pipeline's network gets one extra layer,
-``NoisyGrad``, after its first Linear layer: an identity in the forward pass whose backward
-pass adds noise from an unseeded generator from its k-th training call on. That is a
+With ``REPROTRAIN_TEST_NOISE_FROM_STEP=k`` the digits recipe's network (its module-level
+:func:`reprotrain.recipes.digits.build_network`, which ``Classifier`` calls by name) gets one
+extra layer, ``NoisyGrad``, after its first Linear layer: an identity in the forward pass whose
+backward pass adds noise from an unseeded generator from its k-th training call on. That is a
 stand-in for a non-deterministic backward kernel, which verify, compare and locate must find.
 ``REPROTRAIN_TEST_NOISE_RANK=r`` limits it to DDP rank r; ``REPROTRAIN_TEST_NOISE_IN=forward``
 adds the noise to the forward pass instead (a difference that stays on that rank's loss).
@@ -27,7 +28,7 @@ if FROM_STEP is not None:
     import torch.distributed as dist
     from torch import nn
 
-    import reprotrain.pipeline.model as pipeline_model
+    import reprotrain.recipes.digits as digits
 
     def _noise_like(t: torch.Tensor) -> torch.Tensor:
         unseeded = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
@@ -58,15 +59,17 @@ if FROM_STEP is not None:
             noisy = self.calls > self.from_step and _this_rank_noisy()
             return _Noise.apply(x) if noisy else x
 
-    original = pipeline_model.build_network
+    original = digits.build_network
 
-    def build_network(*args: object, **kwargs: object) -> nn.Module:
-        layers = list(original(*args, **kwargs))
+    def build_network(
+        input_shape: tuple[int, ...], num_classes: int, channels: int, hidden: int, dropout: float
+    ) -> nn.Module:
+        layers = list(original(input_shape, num_classes, channels, hidden, dropout))
         first_linear = next(i for i, m in enumerate(layers) if isinstance(m, nn.Linear))
         layers.insert(first_linear + 1, NoisyGrad(int(FROM_STEP)))
         return nn.Sequential(*layers)
 
-    pipeline_model.build_network = build_network
+    digits.build_network = build_network
 
 if os.environ.get("REPROTRAIN_TEST_SKEW_RANK") is not None:
     # Rank r computes its run inputs with one extra field, as a node with other code would.
