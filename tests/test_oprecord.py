@@ -30,7 +30,7 @@ from reprotrain.ops import recorder
 from reprotrain.ops.align import OpRecordError, compare_recordings
 from reprotrain.ops.recorder import DIR_VARIABLE, WINDOW_VARIABLE, OpRecorder, record_step
 from reprotrain.pipeline.config import load_params
-from reprotrain.pipeline.data import load_prepared
+from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.pipeline.training import RECORD_OPS_VARIABLE, RECORDER_MODULE, fit
 from tests.helpers import ROOT, run_cli
 
@@ -116,11 +116,12 @@ def test_under_torch_compile_dynamo_does_not_trace_the_recorder(tmp_path: Path) 
 
 def _fit_weights(prepared: Path) -> tuple[str, list[str]]:
     """The train stage's fit for one epoch: sha256 of the weights, names of its callbacks."""
-    params = load_params(ROOT / "params.yaml", ["train.max_epochs=1", "data.init_args.num_workers=0"])
+    overrides = ["train.max_epochs=1", "data.init_args.num_workers=0"]
+    params = load_params(ROOT / "params.yaml", [*overrides, f"data.init_args.path={prepared}"])
     settings = configure_determinism(params.seed, params.deterministic)
-    module, _ = fit(params, load_prepared(prepared), settings)
+    module = fit(params, resolve_recipe(params), settings).module
     names = [type(c).__name__ for c in module.trainer.callbacks]
-    return sha256_state_dict(module.net.state_dict()), names
+    return sha256_state_dict(module.state_dict()), names
 
 
 @pytest.mark.usefixtures("restore_torch_flags")

@@ -34,7 +34,7 @@ def test_nothing_tracked_holds_a_path_time_or_host(dvc_repo: Path) -> None:
 
 def test_plots_render_in_dvc_format(dvc_repo: Path) -> None:
     shown = json.loads(run_checked("dvc", "plots", "show", "--json", cwd=dvc_repo))["data"]
-    assert set(shown) == {"train_loss", "validation", "confusion"}
+    assert set(shown) == {"train_loss", "validation"}
     rows = shown["validation"][0]["content"]["data"]["values"]
     assert {row["epoch"] for row in rows} == {str(epoch) for epoch in range(10)}
     assert {"val_loss", "val_acc"} <= set(rows[0])

@@ -10,10 +10,10 @@ import pytest
 
 from reprotrain.determinism import configure_determinism
 from reprotrain.pipeline.config import load_params
+from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.pipeline.stages import train
 from reprotrain.provenance.dvcchecksum import ChecksumError, md5_file, verify_dvc_checksum
 from reprotrain.provenance.environment import capture_environment
-from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.provenance.identity import code_hash, run_id, source_files
 from tests.helpers import ROOT, commit_all, run_checked, run_cli, stage_argv
 

@@ -21,8 +21,10 @@ from reprotrain.cpuprofile import CpuProfile
 from reprotrain.determinism import configure_determinism
 from reprotrain.hashing import sha256_file, sha256_state_dict
 from reprotrain.pipeline.config import load_params
-from reprotrain.pipeline.data import ResumableLoader, ShiftedImages, load_prepared
+from reprotrain.pipeline.data import ResumableLoader
+from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.pipeline.training import Checkpointing, fit
+from reprotrain.recipes.digits import ShiftedImages
 from reprotrain.resume import InterruptCheckpoint, latest_checkpoint, sidecar
 from tests.helpers import (
     ROOT,
@@ -53,12 +55,13 @@ def _fit(prepared: Path, epochs: int, run_dir: Path, resume=None, random_state=T
         f"train.max_epochs={epochs}",
         "data.init_args.num_workers=0",
         "train.checkpoint_every_n_epochs=1",
+        f"data.init_args.path={prepared}",
     ]
     params = load_params(ROOT / "params.yaml", overrides)
     settings = configure_determinism(params.seed, params.deterministic)
     checkpointing = Checkpointing(run_dir, "run", resume, random_state)
-    module, _ = fit(params, load_prepared(prepared), settings, checkpointing)
-    return sha256_state_dict(module.net.state_dict())
+    fitted = fit(params, resolve_recipe(params), settings, checkpointing)
+    return sha256_state_dict(fitted.module.state_dict())
 
 
 def test_resume_at_an_epoch_boundary_is_bitwise_equal(prepared: Path, tmp_path: Path) -> None:
@@ -283,7 +286,7 @@ def test_non_deterministic_op_is_named_with_the_fix(
     from torch._prims_common import alert_not_deterministic
 
     from reprotrain import cli
-    from reprotrain.pipeline.model import Classifier
+    from reprotrain.recipes.digits import Classifier
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         alert_not_deterministic("scatter_add_cuda_kernel")  # what a CUDA-only op raises

@@ -280,7 +280,9 @@ def test_workflow_actions_are_pinned_by_sha_with_read_only_permissions() -> None
 def test_every_stage_command_in_dvc_yaml_parses_with_its_own_parser(stage: str) -> None:
     args = stage_arguments(stage, ROOT / "dvc.yaml")
     paths = {k: v for k, v in vars(args).items() if v is not None and not isinstance(v, bool)}
-    values = [v for value in paths.values() for v in (value if isinstance(value, list) else [value])]
+    values = [
+        v for value in paths.values() for v in (value if isinstance(value, list) else [value])
+    ]
     assert paths and all(isinstance(value, Path) for value in values), paths
 
 

@@ -17,7 +17,7 @@ from tests.helpers import ROOT, commit_all, run_cli
 from tests.test_oprecord import _line_of
 
 INJECT = str(ROOT / "tests" / "inject")
-MODEL = ROOT / "src" / "reprotrain" / "pipeline" / "model.py"
+MODEL = ROOT / "src" / "reprotrain" / "recipes" / "digits.py"
 
 
 def _shorten(repo: Path, **train: object) -> None:
@@ -62,7 +62,7 @@ def test_verify_names_the_step_record_and_op_of_injected_noise(
     assert "random generator's state" in op["differing_inputs"][0]
     # the noise layer's backward (net.8, after the first Linear), at the line calling the network
     assert op["op"]["op"].startswith("aten.randn") and op["op"]["module"] == "net.8"
-    assert op["op"]["line"].endswith(f"model.py:{_line_of('return self.net(x)', MODEL)}")
+    assert op["op"]["line"].endswith(f"digits.py:{_line_of('return self.net(x)', MODEL)}")
 
     # One diagnosis: the trace's headline is the recording's (the RNG state going into
     # randn), not the kernel the fingerprints alone would suggest.
@@ -147,7 +147,9 @@ def test_gpu_twin_two_fresh_gpu_trainings_give_identical_bits(
 def test_verify_that_fails_leaves_no_temporary_folder(repo_copy: Path, tmp_path: Path) -> None:
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    result = run_cli("verify", "-S", "model.init_args.dropout=1.5", cwd=repo_copy, TMPDIR=str(scratch))
+    result = run_cli(
+        "verify", "-S", "model.init_args.dropout=1.5", cwd=repo_copy, TMPDIR=str(scratch)
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     assert "model.init_args.dropout" in result.stderr
     assert not list(scratch.glob("reprotrain-verify-*"))

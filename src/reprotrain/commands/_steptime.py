@@ -101,8 +101,9 @@ def pipeline_workload(
     """The model and data params names: its first four training batches (in dataset order)."""
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
-    for path in stage_arguments("train", args.dvc_yaml).data:
-        ensure_prepared(path, "bench")
+    if args.dvc_yaml.is_file():  # inside a pipeline: its data files, prepared if missing
+        for path in stage_arguments("train", args.dvc_yaml).data:
+            ensure_prepared(path, "bench")
     recipe = resolve_recipe(params)
     source, _, linked = build(recipe)
     batches = [move_data_to_device(batch, device) for batch in first_batches(source, 4)]

@@ -1,8 +1,8 @@
 """``reprotrain locate``: name the module that makes the pipeline's training step differ.
 
 After ``reprotrain compare`` blames a kernel, this runs one training step of
-the pipeline's model twice on the same batch (the first ``data.init_args.batch_size``
-training samples, unaugmented) from the same parameters, under the params'
+the model params.yaml names twice on the same batch (its data module's first
+training batch in dataset order, drawn once) from the same parameters, under the params'
 determinism settings, and names the first module (path and type) whose
 forward output or gradient differs, using
 :func:`reprotrain.compare.modules.locate_divergence`. With ``--deterministic false``
@@ -18,12 +18,11 @@ import argparse
 import dataclasses
 import json
 import warnings
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.determinism import configure_determinism
-from reprotrain.pipeline.command import Command, add_dvc_yaml
+from reprotrain.pipeline.command import Command
 from reprotrain.pipeline.config import Params
 
 if TYPE_CHECKING:  # torch and Lightning load when it runs, not when the CLI reads it
@@ -34,8 +33,6 @@ PARAMS = ("seed", "deterministic", "model", "data", "train")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", type=Path, help="prepared dataset (default: the train stage's)")
-    add_dvc_yaml(parser)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 

@@ -65,7 +65,12 @@ class ResolvedComponent:
         return {"class_path": self.class_path, "init_args": self.init_args}
 
     def instantiate(self, **provided: Any) -> Any:
-        """Build the object from ``init_args`` (parsed again) and the ``provided`` arguments."""
+        """Build the object from ``init_args`` (parsed again) and the ``provided`` arguments.
+
+        Numbers and strings reach the class as plain ``int``, ``float`` and ``str``, not as
+        jsonargparse's restricted subclasses (``PositiveFloat``...): a value kept in an
+        optimizer's state must load back from a checkpoint with ``weights_only=True``.
+        """
         if set(provided) != set(self.provided):
             raise TypeError(
                 f"{self.key}: {self.class_path} needs exactly {sorted(self.provided)} from the "
@@ -73,7 +78,15 @@ class ResolvedComponent:
             )
         parser = _parser(self.cls, self.key, self.provided)
         built = parser.instantiate(parser.parse_object(self.init_args))
-        return self.cls(**{name: built[name] for name in self.init_args}, **provided)
+        return self.cls(**{name: _plain(built[name]) for name in self.init_args}, **provided)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as its builtin type when it is a subclass of int, float or str."""
+    for kind in (bool, int, float, str):
+        if isinstance(value, kind):
+            return kind(value)
+    return value
 
 
 def resolve_component(
