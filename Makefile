@@ -50,8 +50,9 @@ $(STAMP): $(LOCK) pyproject.toml
 
 venv: $(STAMP) ## Create .venv from the lock (only what is missing or stale)
 
-repro: venv ## Run the pipeline (dvc repro) on the embedded default data
+repro: venv ## Run both pipelines (dvc repro): the digits default and the language model
 	$(BIN)/dvc repro
+	$(BIN)/dvc repro pipelines/lm/dvc.yaml
 
 # Test files run in parallel (pytest-xdist), one file per worker at a time, so module
 # fixtures (a training run shared by a file's tests) are built once.

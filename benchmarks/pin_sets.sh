@@ -3,7 +3,9 @@
 # a pin set that gives the same digits on two hosts with different CPUs or caches is a
 # candidate for a faster portable profile; one that differs is not. Trains 3 epochs with no
 # DataLoader workers per pin set, in fresh processes; prints the CPU's caches, then one line
-# per pin set with the first 16 hex digits of sha256_state_dict of the weights. Run from the
+# per pin set with the first 16 hex digits of sha256_state_dict of the weights, under the
+# digits network's own tensor names (the module's "net." prefix dropped, as the weights
+# files named them before issue 29), so rows compare with earlier tables. Run from the
 # repository root after `make venv`:
 #     bash benchmarks/pin_sets.sh
 # (The same rows as ../shared/tools/pin-fingerprints.sh, whose table the docs extend.)
@@ -30,7 +32,7 @@ run() {
 		-S data.init_args.num_workers=0 -S data.init_args.path=d.safetensors \
 		-S "cpu.profile=$profile" >"$name/log" 2>&1 ||
 		{ echo "$name failed: $(tail -n1 "$name/log")"; return; }
-	printf '%-40s %s\n' "$name" "$(python -c "from reprotrain.hashing import sha256_state_dict as f, load_safetensors as l; print(f(l('$name/m.safetensors')[0])[:16])")"
+	printf '%-40s %s\n' "$name" "$(python -c "from reprotrain.hashing import sha256_state_dict as f, load_safetensors as l; w = l('$name/m.safetensors')[0]; print(f({k.removeprefix('net.'): v for k, v in w.items()})[:16])")"
 }
 grep -m1 "model name" /proc/cpuinfo
 lscpu | grep -E "L1d|L2|L3"

@@ -36,7 +36,7 @@ def _dvc_sees(path: Path) -> bool:
 
 
 #: The params files of the repository's pipelines: the recipes they name are run too.
-PARAMS_FILES = (ROOT / "params.yaml",)
+PARAMS_FILES = (ROOT / "params.yaml", ROOT / "pipelines" / "lm" / "params.yaml")
 
 
 def _run_by_a_stage() -> set[Path]:
