@@ -1,0 +1,211 @@
+"""The contract a user's module and data module must meet, checked before training.
+
+Each refusal is one line naming the class and why, and has its control: the
+same module without the fault passes.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+
+from reprotrain.pipeline.config import ConfigError, Params, parse_params
+from reprotrain.pipeline.contract import check_data_files, check_datasets, check_recipe
+from reprotrain.pipeline.data import SampleSeeded
+from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.recipe import resolve_recipe
+from tests.helpers import params_with
+
+
+class Model(L.LightningModule):
+    def __init__(self, num_classes: int, hidden: int = 4) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, num_classes)
+
+    def training_step(self, batch: object, index: int) -> torch.Tensor:
+        return self.layer(batch[0]).sum()
+
+    def test_step(self, batch: object, index: int) -> None:
+        self.log("test_loss", self.layer(batch[0]).sum())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class NoTestStep(Model):
+    test_step = L.LightningModule.test_step
+
+
+class Data(L.LightningDataModule):
+    model_links = ("num_classes",)
+
+    def __init__(self, batch_size: int = 4, num_workers: int = 0) -> None:
+        super().__init__()
+        self.batch_size, self.num_workers = batch_size, num_workers
+
+    def setup(self, stage: str) -> None:
+        self.num_classes = 2
+
+    def train_dataset(self) -> Dataset:
+        return TensorDataset(torch.zeros(8, 3), torch.zeros(8))
+
+    val_dataset = test_dataset = train_dataset
+
+
+class OwnLoader(Data):
+    def train_dataloader(self) -> object:
+        return torch.utils.data.DataLoader(self.train_dataset(), shuffle=True)
+
+
+class NoTestDataset(L.LightningDataModule):
+    def __init__(self, batch_size: int = 4, num_workers: int = 0) -> None:
+        super().__init__()
+
+    def train_dataset(self) -> Dataset:
+        return TensorDataset(torch.zeros(8, 3))
+
+    val_dataset = train_dataset
+
+
+class LinksAbsent(Data):
+    model_links = ("vocab_size",)
+
+
+class Stream(IterableDataset):
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.zeros(8, 3))
+
+
+class Streaming(Data):
+    def train_dataset(self) -> Dataset:
+        return Stream()  # type: ignore[return-value]
+
+
+@pytest.fixture(autouse=True)
+def user_module() -> Iterator[None]:
+    """These classes as a user's module, ``usercontract``, importable by class path."""
+    module = types.ModuleType("usercontract")
+    for cls in (Model, NoTestStep, Data, OwnLoader, NoTestDataset, LinksAbsent, Streaming):
+        setattr(module, cls.__name__, cls)
+    sys.modules["usercontract"] = module
+    yield
+    del sys.modules["usercontract"]
+
+
+def _params(
+    model: str = "Model", data: str = "Data", model_args: dict | None = None, **changes: object
+) -> Params:
+    return parse_params(
+        params_with(
+            {
+                "model": {"class_path": f"usercontract.{model}", "init_args": model_args or {}},
+                "data": {"class_path": f"usercontract.{data}", "init_args": {}},
+                **changes,
+            }
+        )
+    )
+
+
+def _refusal(params: Params) -> str:
+    with pytest.raises(ConfigError) as caught:
+        check_recipe(params, resolve_recipe(params))
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_module_that_meets_the_contract_passes() -> None:
+    params = _params()
+    check_recipe(params, resolve_recipe(params))  # the control for every refusal below
+
+
+def test_a_data_module_with_its_own_loader_is_refused() -> None:
+    message = _refusal(_params(data="OwnLoader"))
+    assert message.startswith("data.class_path: usercontract.OwnLoader defines its own")
+    assert "train_dataloader" in message and "return the dataset from train_dataset()" in message
+
+
+def test_a_model_without_test_step_is_refused() -> None:
+    message = _refusal(_params(model="NoTestStep"))
+    assert message.startswith("model.class_path: usercontract.NoTestStep defines no test_step")
+
+
+def test_a_data_module_without_a_dataset_method_is_refused() -> None:
+    message = _refusal(_params(data="NoTestDataset", model_args={"num_classes": 2}))
+    assert "has no test_dataset()" in message
+
+
+def test_a_link_to_an_argument_the_model_lacks_is_refused() -> None:
+    message = _refusal(_params(data="LinksAbsent", model_args={"num_classes": 2}))
+    assert "links 'vocab_size' to the model" in message
+
+
+def test_a_batch_that_world_size_invariance_cannot_split_is_refused() -> None:
+    invariant = {"train.world_size_invariant": True, "train.micro_batch_size": 3}
+    message = _refusal(_params(**invariant))
+    assert "train.world_size_invariant: micro_batch_size 3 does not divide batch_size 4" in message
+    check_recipe(
+        *(lambda p: (p, resolve_recipe(p)))(_params(**{**invariant, "train.micro_batch_size": 2}))
+    )
+
+
+def test_an_iterable_dataset_is_refused_before_training() -> None:
+    streaming = Streaming()
+    with pytest.raises(DataError, match=r"^train_dataset\(\) returned a Stream, not a map-style"):
+        check_datasets(streaming)
+    check_datasets(Data())  # control
+
+
+def test_a_file_the_data_module_names_must_be_a_data_file_of_the_stage(tmp_path: Path) -> None:
+    data = tmp_path / "rows.csv"
+    data.write_text("1\n")
+    params = parse_params(
+        params_with(
+            {
+                "model": {"class_path": "usercontract.Model", "init_args": {}},
+                "data": {"class_path": "reprotrain.recipes.digits.DigitsData",
+                         "init_args": {"path": str(data)}},
+            }
+        )
+    )  # fmt: skip
+    recipe = resolve_recipe(params)
+    with pytest.raises(ConfigError, match=r"^data\.init_args\.path: .*rows\.csv is read by"):
+        check_data_files(recipe, [])
+    check_data_files(recipe, [data])  # listed: covered by the run ID
+    check_data_files(recipe, [tmp_path])  # or inside a listed folder
+
+
+class Draws(Dataset):
+    """Each item draws from torch's, numpy's and Python's global generators."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> tuple[float, float, float]:
+        return float(torch.rand(())), float(np.random.rand()), random.random()
+
+
+def test_sample_keys_decide_each_draw_and_leave_the_callers_streams_alone() -> None:
+    seeded = SampleSeeded(Draws())
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    first = seeded[(1, (7, 3))]
+    after = (float(torch.rand(())), float(np.random.rand()), random.random())
+    torch.manual_seed(123)  # another caller state: the same key gives the same draw
+    assert seeded[(1, (7, 3))] == first
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    seeded[(2, (7, 4))]
+    assert (float(torch.rand(())), float(np.random.rand()), random.random()) == after
+    assert seeded[(1, (7, 4))] != first  # control: another key, other draws
