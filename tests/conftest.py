@@ -84,7 +84,7 @@ def restore_torch_flags() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def dvc_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
-    """A copy of this checkout after `dvc repro`, with the results committed. Do not modify.
+    """A copy of this checkout after `make repro`'s two `dvc repro`, results committed. Do not modify.
 
     Built once per pytest run: the first xdist worker to ask runs `dvc repro` in
     the run's shared temp folder; every worker then gets its own copy, so no two
@@ -100,7 +100,8 @@ def dvc_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
             shutil.rmtree(built, ignore_errors=True)
             built.mkdir()
             copy_checkout(built)
-            run_checked("dvc", "repro", cwd=built)
+            run_checked("dvc", "repro", cwd=built)  # both pipelines, as `make repro`
+            run_checked("dvc", "repro", "pipelines/lm/dvc.yaml", cwd=built)
             commit_all(built, "results")
             (shared / "dvc_repo.done").touch()
     return Path(shutil.copytree(built, tmp_path_factory.mktemp("repo") / "r", symlinks=True))

@@ -21,8 +21,9 @@ def test_forced_repro_gives_a_byte_identical_dvc_lock(repo_copy: Path) -> None:
     run_checked("dvc", "repro", "--force", cwd=repo_copy)
     assert {name: (repo_copy / name).read_bytes() for name in tracked} == before
     status = run_checked("dvc", "status", cwd=repo_copy)
-    # The env stage is always_changed by design; nothing else may be out of date.
-    assert [line for line in status.splitlines() if line.strip()] == ["env:", "\talways changed"]
+    # The env stages are always_changed by design; nothing else may be out of date.
+    always = ["env:", "\talways changed", "pipelines/lm/dvc.yaml:env:", "\talways changed"]
+    assert [line for line in status.splitlines() if line.strip()] == always
 
 
 def test_nothing_tracked_holds_a_path_time_or_host(dvc_repo: Path) -> None:
@@ -34,10 +35,13 @@ def test_nothing_tracked_holds_a_path_time_or_host(dvc_repo: Path) -> None:
 
 def test_plots_render_in_dvc_format(dvc_repo: Path) -> None:
     shown = json.loads(run_checked("dvc", "plots", "show", "--json", cwd=dvc_repo))["data"]
-    assert set(shown) == {"train_loss", "validation"}
-    rows = shown["validation"][0]["content"]["data"]["values"]
+    pipelines = ("dvc.yaml", "pipelines/lm/dvc.yaml")
+    assert set(shown) == {f"{p}::{name}" for p in pipelines for name in ("train_loss", "validation")}
+    rows = shown["dvc.yaml::validation"][0]["content"]["data"]["values"]
     assert {row["epoch"] for row in rows} == {str(epoch) for epoch in range(10)}
     assert {"val_loss", "val_acc"} <= set(rows[0])
+    lm = shown["pipelines/lm/dvc.yaml::validation"][0]["content"]["data"]["values"]
+    assert {row["epoch"] for row in lm} == {str(epoch) for epoch in range(4)}
 
 
 @pytest.mark.slow
