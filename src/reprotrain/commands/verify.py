@@ -272,7 +272,7 @@ def _verdict(results: list[RunComparison]) -> str:
 
 
 def check_reference(rev: str, workdir: Path | None) -> int:
-    """One pipeline run in a clone of ``rev``: does it rewrite anything git holds?"""
+    """Every pipeline run once in a clone of ``rev``: does it rewrite anything git holds?"""
     repo = Path.cwd()
     scratch = Path(tempfile.mkdtemp(prefix="reprotrain-reference-", dir=workdir))
     clone = scratch / "repo"
@@ -285,7 +285,7 @@ def check_reference(rev: str, workdir: Path | None) -> int:
     share_dvc_cache(repo, clone)
     print(f"reprotrain verify: dvc repro in a clone of {rev} ({clone})", flush=True)
     repro = subprocess.run(
-        [sys.executable, "-m", "dvc", "repro", "--no-run-cache"],
+        [sys.executable, "-m", "dvc", "repro", "--all-pipelines", "--no-run-cache"],
         cwd=clone,
         capture_output=True,
         text=True,
