@@ -84,7 +84,7 @@ def restore_torch_flags() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def dvc_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
-    """A copy of this checkout after `make repro`'s two `dvc repro`, results committed. Do not modify.
+    """This checkout after `make repro`'s two `dvc repro`, results committed. Do not modify.
 
     Built once per pytest run: the first xdist worker to ask runs `dvc repro` in
     the run's shared temp folder; every worker then gets its own copy, so no two

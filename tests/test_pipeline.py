@@ -36,7 +36,8 @@ def test_nothing_tracked_holds_a_path_time_or_host(dvc_repo: Path) -> None:
 def test_plots_render_in_dvc_format(dvc_repo: Path) -> None:
     shown = json.loads(run_checked("dvc", "plots", "show", "--json", cwd=dvc_repo))["data"]
     pipelines = ("dvc.yaml", "pipelines/lm/dvc.yaml")
-    assert set(shown) == {f"{p}::{name}" for p in pipelines for name in ("train_loss", "validation")}
+    names = ("train_loss", "validation")
+    assert set(shown) == {f"{p}::{name}" for p in pipelines for name in names}
     rows = shown["dvc.yaml::validation"][0]["content"]["data"]["values"]
     assert {row["epoch"] for row in rows} == {str(epoch) for epoch in range(10)}
     assert {"val_loss", "val_acc"} <= set(rows[0])

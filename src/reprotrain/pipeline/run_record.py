@@ -95,7 +95,9 @@ def run_inputs(
     theirs = sorted(set(recipe_files) - ours)
     stage_files = {f.resolve() for f in source_files(stage_module)} | ours
     return {
-        "params": params.select(param_keys),
+        # model and data as resolved (defaults filled in, values typed), not as written:
+        # `lr: 1e-3` and `lr: 0.001`, or a default left out and spelt out, are one run.
+        "params": params.select(k for k in param_keys if k not in ("model", "data")),
         "recipe": recipe.record(),
         "data_md5": {path.as_posix(): data_checksum(path, dvc_lock) for path in data},
         "lock_sha256": (environment.get("lock") or {}).get("sha256"),
