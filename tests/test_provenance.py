@@ -184,3 +184,11 @@ def test_checklist_reports_a_missing_hash_seed(repo_copy: Path) -> None:
     code, items = _checklist(repo_copy, "--strict")
     assert items["random state/hash seed fixed at start"] == "fail" and code == 1
     assert items["code/clean tree"] == "pass"
+
+
+def test_two_spellings_of_one_config_are_one_run(inputs_for) -> None:
+    """The run ID hashes model and data as resolved: `1e-3` (a string to PyYAML) is 0.001."""
+    spelt = run_id(inputs_for(["model.init_args.lr=1e-3"]))
+    assert spelt == run_id(inputs_for(["model.init_args.lr=0.001"]))
+    assert run_id(inputs_for(["model.init_args.lr=0.005"])) == run_id(inputs_for())  # default
+    assert spelt != run_id(inputs_for(["model.init_args.lr=0.002"]))  # control: another value
