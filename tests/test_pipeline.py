@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from reprotrain.hashing import load_safetensors
 from tests.helpers import run_checked
 
 
@@ -55,3 +56,24 @@ def test_dvc_exp_run_with_a_param_override(repo_copy: Path) -> None:
         run_checked("dvc", "params", "diff", "HEAD", "seed7", "--json", cwd=repo_copy)
     )
     assert (diff["params.yaml"]["seed"]["old"], diff["params.yaml"]["seed"]["new"]) == (42, 7)
+
+
+@pytest.mark.slow
+def test_dvc_exp_run_sets_an_init_arg_of_each_pipeline(repo_copy: Path) -> None:
+    """`dvc exp run -S model.init_args.hidden=128`: the override reaches the built model."""
+    run_checked(
+        *("dvc", "exp", "run", "-S", "model.init_args.hidden=128", "--name", "wide"),
+        cwd=repo_copy,
+    )
+    diff = json.loads(run_checked("dvc", "params", "diff", "HEAD", "wide", "--json", cwd=repo_copy))
+    hidden = diff["params.yaml"]["model.init_args.hidden"]
+    assert (hidden["old"], hidden["new"]) == (64, 128)
+    run_checked("dvc", "exp", "apply", "wide", cwd=repo_copy)
+    weights, _ = load_safetensors(repo_copy / "models" / "model.safetensors")
+    assert weights["net.7.weight"].shape[0] == 128  # control: 64 in the committed model
+    run_record = json.loads((repo_copy / "reports" / "run.json").read_text())
+    assert run_record["inputs"]["recipe"]["model"]["init_args"]["hidden"] == 128
+    lm = "pipelines/lm/params.yaml:model.init_args.n_embd=32"
+    run_checked("dvc", "exp", "run", "pipelines/lm/dvc.yaml", "-S", lm, cwd=repo_copy)
+    lm_weights, _ = load_safetensors(repo_copy / "pipelines/lm/models/model.safetensors")
+    assert lm_weights["token_embedding.weight"].shape[1] == 32  # 64 in the committed model
