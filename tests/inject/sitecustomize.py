@@ -11,6 +11,9 @@ adds the noise to the forward pass instead (a difference that stays on that rank
 ``REPROTRAIN_TEST_SKEW_RANK=r`` gives rank r other run inputs (so another run ID).
 ``REPROTRAIN_TEST_KILL_AT=outputs|trace|run_record|cleanup`` SIGKILLs the train stage after
 its final checkpoint: before its first output, its trace, its run record, or just after it.
+``REPROTRAIN_TEST_SIGTERM_AT_STEP=k`` sends SIGTERM to the training process itself at the start
+of training step k (global step, on rank 0), as a preemption that lands mid-epoch at a chosen
+batch; the step finishes and the run stops with its interrupt checkpoint.
 ``REPROTRAIN_TEST_CPU=xeon-avx512`` makes the environment record see another CPU family (an
 Intel Xeon with AVX-512, more cores) in place of this machine's.
 """
@@ -131,3 +134,20 @@ if os.environ.get("REPROTRAIN_TEST_CPU") == "xeon-avx512":
         }
 
     environment.cpu_facts = cpu_facts
+
+if os.environ.get("REPROTRAIN_TEST_SIGTERM_AT_STEP") is not None:
+    # Patches Lightning's base hook, which a user's module (tests/test_user_project.py: the
+    # wine example) inherits unchanged; it never touches a random generator or a tensor.
+    import signal
+
+    import lightning as L
+
+    sigterm_step = int(os.environ["REPROTRAIN_TEST_SIGTERM_AT_STEP"])
+    original_batch_start = L.LightningModule.on_train_batch_start
+
+    def on_train_batch_start(self: L.LightningModule, batch: object, batch_idx: int) -> None:
+        if self.global_step == sigterm_step and self.global_rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original_batch_start(self, batch, batch_idx)
+
+    L.LightningModule.on_train_batch_start = on_train_batch_start
