@@ -102,6 +102,8 @@ def test_compare_says_identical_for_the_same_seed(runs: dict[str, Path]) -> None
     result = run_cli("compare", runs["a"], runs["b"], cwd=runs["a"])
     assert result.returncode == 0, result.stderr
     assert "IDENTICAL: the same bits" in result.stdout and "same run ID" in result.stdout
+    here = run_cli("compare", ".", runs["b"], cwd=runs["a"])  # a run named by "."
+    assert here.returncode == 0 and "IDENTICAL: the same bits" in here.stdout, here.stderr
 
 
 def test_compare_blames_the_seed_from_step_zero(runs: dict[str, Path], tmp_path: Path) -> None:

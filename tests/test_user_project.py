@@ -338,17 +338,6 @@ def _with_other_random_state(checkpoint: Path) -> None:
     [
         pytest.param(
             0,
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason="src bug: with num_workers 0 (the example's default) a mid-epoch resume "
-                "replays the consumed batches in the training process "
-                "(ResumableLoader.__iter__ skips them with next(iterator)) after the random "
-                "state was restored, so the data module's torch.randn feature noise for them "
-                "advances torch's global generator again: the resumed run diverges at the "
-                "first step after the checkpoint (batch, rng); skipping them with the global "
-                "generators forked (num_workers 0) gives the uninterrupted bits",
-            ),
             id="num_workers 0 (the example's params)",
         ),
         pytest.param(2, id="num_workers 2"),

@@ -65,6 +65,7 @@ def run(_: object, args: argparse.Namespace) -> int:
 
 def _recording_of(run: Path) -> Path | None:
     """A run's op recording: ``RUN/ops``, or ``RUN-ops/ops`` beside it (where verify keeps it)."""
+    run = run.resolve()  # `compare . OTHER`: "." has no name to put "-ops" after
     for folder in (run / OPS_FOLDER, run.with_name(f"{run.name}-ops") / OPS_FOLDER):
         if folder.is_dir():
             return folder

@@ -51,6 +51,7 @@ partial batch of an epoch is dropped.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 from collections.abc import Callable, Iterator
@@ -295,10 +296,25 @@ class ResumableLoader(WorkersIgnoreStopSignals):
         if self.generator is not None:
             self._epoch_start = self.generator.get_state()
         iterator = super().__iter__()
-        for _ in range(self._skip):
-            next(iterator)
+        with self._global_streams_kept():
+            for _ in range(self._skip):
+                next(iterator)
         self._skip = 0
         return iterator
+
+    @contextlib.contextmanager
+    def _global_streams_kept(self) -> Iterator[None]:
+        """Without workers, replaying the consumed batches runs the dataset's draws in
+        this process, after the checkpoint restored torch's, numpy's and Python's
+        generators to where the interrupted run left them: keep them there."""
+        if self.num_workers > 0 or not self._skip:
+            yield
+            return
+        numpy_state, python_state = np.random.get_state(), random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            yield
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
 
     def state_dict(self) -> dict[str, object]:
         return {"epoch_start": self._epoch_start, "consumed": int(self._consumed())}

@@ -31,7 +31,7 @@ from reprotrain.determinism import DeterminismSettings
 from reprotrain.hashing import canonical_json, sha256_file
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.errors import DataError
-from reprotrain.provenance.dvcchecksum import verify_dvc_checksum
+from reprotrain.provenance.dvcchecksum import dvc_lists_dependency, verify_dvc_checksum
 from reprotrain.provenance.environment import (
     HOST_FILE,
     HOST_KEY,
@@ -111,11 +111,16 @@ def run_inputs(
 
 
 def data_checksum(path: Path, dvc_lock: Path | None) -> str:
-    """``path``'s md5 as DVC recorded it (checked; refused when it differs), else its sha256."""
+    """``path``'s md5 as DVC recorded it (checked; refused when it differs), else its sha256.
+
+    A file that is only a stage's dependency (a user's data in git) is hashed and not
+    held to ``dvc.lock``: its md5 there is from the previous run, and a change to it is
+    why DVC reruns the stage.
+    """
     if not path.is_file():
         raise DataError(f"{path}: data file not found; run `dvc repro` (or fix --data)")
     md5, recorded = verify_dvc_checksum(path, dvc_lock) if dvc_lock else (None, None)
-    if dvc_lock and recorded is None:
+    if dvc_lock and recorded is None and not dvc_lists_dependency(path, dvc_lock):
         print(f"reprotrain: warning: {dvc_lock} has no checksum for {path}", file=sys.stderr)
     return md5 if md5 is not None else sha256_file(path)
 

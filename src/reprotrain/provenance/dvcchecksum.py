@@ -51,6 +51,25 @@ def dvc_recorded_md5(path: str | Path, dvc_lock: str | Path) -> str | None:
     return None
 
 
+def dvc_lists_dependency(path: str | Path, dvc_lock: str | Path) -> bool:
+    """Whether some stage in ``dvc_lock`` lists ``path`` among its deps.
+
+    Such a file is a source DVC watches (it reruns the stage when the file
+    changes), not an output it recorded: its md5 there is the previous run's,
+    so it is not a checksum to hold the file to.
+    """
+    target = Path(path).resolve()
+    lock = Path(dvc_lock)
+    if not lock.is_file():
+        return False
+    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+    return any(
+        (lock.parent / dep["path"]).resolve() == target
+        for stage in stages.values()
+        for dep in stage.get("deps", [])
+    )
+
+
 def verify_dvc_checksum(path: str | Path, dvc_lock: str | Path) -> tuple[str, str | None]:
     """``(actual md5, recorded md5 or None)``; raises :class:`ChecksumError` on a mismatch."""
     actual = md5_file(path)
