@@ -542,9 +542,10 @@ NUMPY_NOISE = (
         "torchmetrics/metric.py:282 ... inputs: a Python value passed to this op differs'. "
         "Lightning's logging (torchmetrics Metric.add_state, deepcopy of a tensor) calls set_ "
         "with a Storage argument, and Recording.begin (src/reprotrain/ops/recording.py:271) "
-        "fingerprints every non-tensor, non-Generator leaf by repr(leaf): a storage's repr "
-        "differs between processes (its bytes/address), so every pipeline recording differs "
-        "at that op, a false 'inputs' diagnosis"
+        "fingerprints every non-tensor, non-Generator leaf by repr(leaf); a Storage's repr "
+        "prints its bytes (unconfirmed which bytes differ here: a small deepcopied scalar's "
+        "storage reprs the same in two processes), so the recording differs at that op with "
+        "a false 'inputs' diagnosis before any model op could"
     ),
 )
 def test_opdiff_finds_two_recordings_of_a_step_identical_and_names_planted_noise_at_its_line(
