@@ -268,6 +268,11 @@ class Recording:
                 fresh.append(leaf)
                 label = labels.get(key)
                 origins.append((OUTSIDE, -1) if label is None else (LABELLED, self.text(label)))
+            elif isinstance(leaf, torch.UntypedStorage | torch.TypedStorage):
+                # Its repr prints its bytes, which may be memory never written (a deep-copied
+                # metric state set_ onto a fresh storage): its size is what the op takes; the
+                # bytes count where a tensor reads them.
+                values.append(f"{type(leaf).__name__}(nbytes={leaf.nbytes()})")
             elif not isinstance(leaf, torch.Generator):  # its repr holds an address
                 values.append(repr(leaf))
         if values:
