@@ -101,22 +101,31 @@ def _sha256(path: Path) -> str:
 def _train(python: list[str], out: Path, *overrides: str, **env: str) -> dict[str, str]:
     """prepare, env and train of the default recipe by ``python``; sha256 of what they wrote."""
     out.mkdir(parents=True)
+    params = str(ROOT / "params.yaml")
+    # Run in ``out`` with relative output paths: the data module's path is recorded in the
+    # weights file, and must read the same in both runs.
     steps = [
-        ["prepare", "--raw-dir", "data/raw", "--out", f"{out}/dataset.safetensors"],
-        ["env", "--out", f"{out}/environment.json", "--host-out", f"{out}/host.json"],
         [
-            *("train", "--params", "params.yaml", *overrides),
-            *("-S", f"data.init_args.path={out}/dataset.safetensors"),
-            *("--data", f"{out}/dataset.safetensors", "--env", f"{out}/environment.json"),
-            *("--checkpoints", f"{out}/ckpt", "--model", f"{out}/model.safetensors"),
-            *("--trace", f"{out}/trace.safetensors", "--metrics", f"{out}/metrics.json"),
-            *("--plots", f"{out}/plots", "--run-record", f"{out}/run.json"),
+            *("prepare", "--params", params, "--raw-dir", str(ROOT / "data/raw")),
+            *("--out", "dataset.safetensors"),
+        ],
+        [
+            *("env", "--params", params, "--lock", str(ROOT / "requirements-cpu.lock")),
+            *("--out", "environment.json", "--host-out", "host.json"),
+        ],
+        [
+            *("train", "--params", params, *overrides),
+            *("-S", "data.init_args.path=dataset.safetensors"),
+            *("--data", "dataset.safetensors", "--env", "environment.json"),
+            *("--checkpoints", "ckpt", "--model", "model.safetensors"),
+            *("--trace", "trace.safetensors", "--metrics", "metrics.json"),
+            *("--plots", "plots", "--run-record", "run.json"),
         ],
     ]
     for step in steps:
         done = subprocess.run(
             [*python, "-m", "reprotrain", *step],
-            cwd=ROOT,
+            cwd=out,
             env=cli_env(**env),
             capture_output=True,
             text=True,

@@ -149,7 +149,8 @@ def test_a_class_that_cannot_be_imported_is_one_line() -> None:
 def test_a_wrong_type_is_one_line_naming_the_key(user_package: Path) -> None:
     section = {"class_path": "usernet.model.Net", "init_args": {"hidden": "abc"}}
     assert _error(section, provided=("num_classes",)) == (
-        "model.init_args.hidden: expected an int, got 'abc'"
+        "model.init_args.hidden: expected an int, got 'abc'; set a value the argument's type "
+        "in usernet.model.Net allows"
     )
     restricted = {"class_path": CLASSIFIER, "init_args": {"dropout": 1.5}}
     assert _error(restricted).startswith("model.init_args.dropout: Not of type Probability: 1.5")
@@ -157,7 +158,8 @@ def test_a_wrong_type_is_one_line_naming_the_key(user_package: Path) -> None:
 
 def test_a_class_of_the_wrong_kind_is_refused(user_package: Path) -> None:
     assert _error({"class_path": "usernet.model.NotAModule"}) == (
-        "model.class_path: usernet.model.NotAModule is not a LightningModule; name a subclass "
+        "model.class_path: usernet.model.NotAModule is not a LightningModule; set model.class_path "
+        "to a subclass "
         "of lightning's LightningModule"
     )
     as_data = _error({"class_path": "usernet.model.Net"}, L.LightningDataModule, ())

@@ -444,7 +444,7 @@ REFUSED_BEFORE_DELETION = {
         "params.yaml",
         "class_path: wine.model.WineMLP",
         "class_path: wine.model.WineMPL",
-        ("model.class_path: module 'wine.model' has no 'WineMPL'", "check the spelling"),
+        ("model.class_path: module 'wine.model' has no 'WineMPL'", "fix the spelling"),
     ),
 }
 

@@ -2,7 +2,7 @@
 
 :func:`user_line` walks out of the call stack to the innermost frame that is
 the user's: not torch, Lightning or the standard library, and not
-reprotrain's library (the pipeline, one user of the library, counts as a
+reprotrain's library (the pipeline and the built-in recipes, users of the library, count as a
 user). Whether a frame is the library's is decided by its module's name, so
 the library's layout (subpackages) does not matter. An op run by the step
 trace (:data:`BOOKKEEPING`) gets "": the recorder leaves those out, so a
@@ -34,8 +34,9 @@ __all__ = ["BOOKKEEPING", "NodeMakers", "user_line"]
 
 #: Packages whose ops are the step trace's bookkeeping, not the step's computation.
 BOOKKEEPING = ("reprotrain.trace", "reprotrain.fingerprint")
-#: reprotrain's packages whose lines are a user's: the pipeline uses the library.
-USER_PACKAGES = ("reprotrain.pipeline",)
+#: reprotrain's packages whose lines are a user's: the pipeline and the built-in recipes
+#: use the library as a user's code does.
+USER_PACKAGES = ("reprotrain.pipeline", "reprotrain.recipes")
 _USER, _LIBRARY, _TRACE = 0, 1, 2
 _NODE_KEY = "reprotrain.ops.recorder"  # the tag's key in a custom Function node's metadata
 Maker = tuple[str, str]  # (module, line) of a forward op

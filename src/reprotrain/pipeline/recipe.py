@@ -170,17 +170,17 @@ def _import_class(class_path: str, key: str, base: type) -> type:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ConfigError(
-            f"{where}: cannot import {class_path!r} ({err}); check the spelling and that "
-            "its package is installed or on PYTHONPATH"
+            f"{where}: cannot import {class_path!r} ({err}); fix the spelling, or put its "
+            "package in the repository (or install it)"
         ) from None
     cls = getattr(module, name, None)
     if cls is None:
         raise ConfigError(
-            f"{where}: module {module_name!r} has no {name!r}; check the spelling of the class"
+            f"{where}: module {module_name!r} has no {name!r}; fix the spelling of the class"
         )
     if not isinstance(cls, type) or not issubclass(cls, base):
         raise ConfigError(
-            f"{where}: {class_path} is not a {base.__name__}; name a subclass of "
+            f"{where}: {class_path} is not a {base.__name__}; set {where} to a subclass of "
             f"{base.__module__.split('.')[0]}'s {base.__name__}"
         )
     return cls
@@ -250,11 +250,12 @@ def _one_line(
     if match := re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.DOTALL):
         value = _lookup(init_args, match[1])
         expected = re.match(r"Expected a <class '(\w+)'>", match[2])
+        fix = f"set a value the argument's type in {class_path} allows"
         if expected and value is not _MISSING:
             kind = _TYPE_NAMES.get(expected[1], f"a {expected[1]}")
-            return f"{where}.{match[1]}: expected {kind}, got {value!r}"
-        return f"{where}.{match[1]}: {' '.join(match[2].split())}"
-    return f"{where}: {' '.join(message.split())} ({class_path})"
+            return f"{where}.{match[1]}: expected {kind}, got {value!r}; {fix}"
+        return f"{where}.{match[1]}: {' '.join(match[2].split())}; {fix}"
+    return f"{where}: {' '.join(message.split())} ({class_path}); fix the value"
 
 
 _MISSING = object()
