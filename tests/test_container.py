@@ -52,7 +52,6 @@ OUTPUTS = (
     "reports/environment.json",
     "reports/plots/train/train_loss.csv",
     "reports/plots/train/val.csv",
-    "reports/plots/evaluate/confusion.csv",
     "dvc.lock",
 )
 HOST_CA_DIR = Path("/usr/local/share/ca-certificates")
