@@ -68,6 +68,18 @@ def add_paths(parser: argparse.ArgumentParser, spec: dict[str, str], required: b
         parser.add_argument(f"--{name}", type=Path, required=required, help=help_text)
 
 
+def add_data_files(parser: argparse.ArgumentParser, use: str) -> None:
+    """``--data PATH``, repeatable: the files the data module reads; ``use`` says what for."""
+    parser.add_argument(
+        "--data",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help=f"a file the data module reads (repeat for more): {use}",
+    )
+
+
 def add_dvc_yaml(parser: argparse.ArgumentParser) -> None:
     """``--dvc-yaml``: the pipeline file whose stage command lines say where the files are."""
     parser.add_argument("--dvc-yaml", type=Path, default=DVC_YAML, help="pipeline file")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import DeterminismError
 from reprotrain.hashing import canonical_json, load_safetensors
-from reprotrain.pipeline.command import Command, add_paths
+from reprotrain.pipeline.command import Command, add_data_files, add_paths
 from reprotrain.pipeline.config import Params, parse_params
 from reprotrain.pipeline.errors import DataError
 from reprotrain.provenance.dvcchecksum import verify_dvc_checksum
@@ -37,14 +37,7 @@ PARAMS: tuple[str, ...] = ()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--data",
-        type=Path,
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="a file the data module reads (repeat for more): checked against --dvc-lock",
-    )
+    add_data_files(parser, "checked against --dvc-lock")
     add_paths(parser, {"model": "trained weights", "metrics": "test metrics JSON"}, required=True)
     add_paths(parser, {"dvc-lock": "verify --data and --model against it"}, required=False)
 
@@ -85,10 +78,10 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         enable_model_summary=False,
         deterministic=True,
     )
-    scores = trainer.test(module, dataloaders=loader, verbose=False)[0]
-    metrics = {"test_samples": len(loader.dataset), **_floats(scores)}  # type: ignore[arg-type]
+    scores = _floats(trainer.test(module, dataloaders=loader, verbose=False)[0])
+    metrics = {"test_samples": len(loader.dataset), **scores}  # type: ignore[arg-type]
     atomic_write_text(args.metrics, canonical_json(metrics))
-    shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(_floats(scores).items()))
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(scores.items()))
     return f"{shown} on {metrics['test_samples']} samples -> {args.metrics}"
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from reprotrain.determinism import DeterminismSettings, configure_determinism, refuse_or_warn
-from reprotrain.pipeline.command import Command, add_paths
+from reprotrain.pipeline.command import Command, add_data_files, add_paths
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.run_record import load_environment, run_inputs, write_run_record
 from reprotrain.provenance.identity import run_id
@@ -71,15 +71,7 @@ PARAMS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--data",
-        type=Path,
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="a file the data module reads (repeat for more): checked against --dvc-lock and "
-        "hashed into the run ID",
-    )
+    add_data_files(parser, "checked against --dvc-lock and hashed into the run ID")
     required = {
         "model": "weights to write",
         "metrics": "training metrics JSON",
