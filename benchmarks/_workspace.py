@@ -1,8 +1,14 @@
-"""Shared benchmark plumbing: prepared default data, and timed trainings in fresh processes.
+"""Shared benchmark plumbing: the workload, its data, and timed trainings in fresh processes.
+
+The workload is a recipe's params file (``--workload``): the language-model
+transformer (``pipelines/lm/params.yaml``) by default, as for every benchmark
+from issue 29 on; ``--workload digits`` trains the digits CNN (``params.yaml``),
+on which the figures measured before then were taken (each names its command).
 
 :func:`train_workspace` is for in-process benchmarks (the ``train`` stage's
-arguments in a temporary folder). For DDP benchmarks every training is a
-fresh process (Lightning starts the other ranks by rerunning the script):
+arguments in a temporary folder, the data prepared there where the recipe has
+a ``prepare`` step). For DDP benchmarks every training is a fresh process
+(Lightning starts the other ranks by rerunning the script):
 :func:`timed_training` launches one and reads its result, and the script's
 worker side calls :func:`time_training`, which prints rank 0's median
 seconds per optimizer step (:class:`StepTimer`).
@@ -39,31 +45,59 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.helpers import cli_env  # noqa: E402
 
+#: The recipes a benchmark trains, by ``--workload`` name.
+WORKLOADS = {"lm": ROOT / "pipelines" / "lm" / "params.yaml", "digits": ROOT / "params.yaml"}
 
-def with_data(params: Params, path: Path, **init_args: object) -> Params:
-    """``params`` with the data module reading ``path`` (its ``init_args.path``), and with
-    any other of its ``init_args`` given here."""
-    init_args = {**params.data.init_args, "path": str(path), **init_args}
+
+def add_workload_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workload",
+        choices=tuple(WORKLOADS),
+        default="lm",
+        help="the recipe trained: 'lm' the language-model transformer (pipelines/lm/"
+        "params.yaml, the default), 'digits' the digits CNN (params.yaml)",
+    )
+
+
+def workload_params(workload: str, overrides: list[str] | None = None) -> Params:
+    return load_params(WORKLOADS[workload], overrides or [])
+
+
+def with_data(params: Params, **init_args: object) -> Params:
+    """``params`` with these of its data module's ``init_args`` replaced."""
+    init_args = {**params.data.init_args, **init_args}
     return dataclasses.replace(params, data=dataclasses.replace(params.data, init_args=init_args))
 
 
-@contextlib.contextmanager
-def train_workspace(params: Params) -> Iterator[argparse.Namespace]:
-    """Yield the `train` stage's arguments, pointing into a prepared temporary folder.
+def prepare_into(params: Params, folder: Path) -> Path | None:
+    """The recipe's data prepared into ``folder``, where it has a ``prepare`` step (a
+    recipe without one reads its own data)."""
+    if params.prepare is None:
+        return None
+    x, y, source = load_raw(params.prepare.source, folder)
+    data = folder / "data.safetensors"
+    save_prepared(data, prepare.split(x, y, params.prepare, params.seed, source))
+    return data
 
-    The prepared file is ``args.data[0]``; the stage reads what ``data.init_args.path``
-    names, so train with :func:`with_data` ``(params, args.data[0])``.
-    """
+
+def data_overrides(data: Path | None) -> list[str]:
+    """The overrides that point the data module at the prepared file (none without one)."""
+    return [] if data is None else [f"data.init_args.path={data}"]
+
+
+@contextlib.contextmanager
+def train_workspace(params: Params) -> Iterator[tuple[argparse.Namespace, Params]]:
+    """The `train` stage's arguments, pointing into a temporary folder, and ``params``
+    reading the data prepared there (``args.data``: that file, if the recipe has one)."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        x, y, source = load_raw(params.prepare.source, work)
-        save_prepared(
-            work / "data.safetensors", prepare.split(x, y, params.prepare, params.seed, source)
-        )
+        data = prepare_into(params, work)
+        if data is not None:
+            params = with_data(params, path=str(data))
         environment = record_environment(ROOT / "requirements-cpu.lock")
         (work / "environment.json").write_text(canonical_json(environment))
-        yield argparse.Namespace(
-            data=[work / "data.safetensors"],
+        args = argparse.Namespace(
+            data=[] if data is None else [data],
             model=work / "model.safetensors",
             metrics=work / "metrics.json",
             plots=work / "plots",
@@ -74,27 +108,25 @@ def train_workspace(params: Params) -> Iterator[argparse.Namespace]:
             trace=None,
             evidence=False,
         )
+        yield args, params
 
 
 @contextlib.contextmanager
-def prepared_data() -> Iterator[Path]:
-    """The default data, prepared by `reprotrain prepare` into a temporary folder."""
+def prepared_data(params: Params) -> Iterator[list[str]]:
+    """The recipe's data prepared into a temporary folder; the overrides that read it."""
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data.safetensors"
-        argv = [sys.executable, "-m", "reprotrain", "prepare", "--raw-dir", tmp, "--out", data]
-        subprocess.run(argv, cwd=ROOT, env=cli_env(), check=True, capture_output=True)
-        yield data
+        yield data_overrides(prepare_into(params, Path(tmp)))
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """The hidden flags by which a benchmark script reruns itself as a training worker."""
-    parser.add_argument("--train", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--train", choices=tuple(WORKLOADS), help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
 
 
-def timed_training(script: str, data: Path, overrides: list[str]) -> dict:
-    """Run ``script --train DATA --set ...`` afresh; the JSON its :func:`time_training` printed."""
-    argv = [sys.executable, script, "--train", str(data), *(f"--set={o}" for o in overrides)]
+def timed_training(script: str, workload: str, overrides: list[str]) -> dict:
+    """Run ``script --train WORKLOAD --set ...`` afresh; what its :func:`time_training` printed."""
+    argv = [sys.executable, script, "--train", workload, *(f"--set={o}" for o in overrides)]
     done = subprocess.run(
         argv, env=cli_env(PYTHONHASHSEED="0"), capture_output=True, text=True, check=False
     )
@@ -127,9 +159,9 @@ class StepTimer(L.Callback):
         self._last = now
 
 
-def time_training(data: Path, overrides: list[str]) -> None:
-    """Worker side: fit params.yaml with ``overrides``; rank 0 prints its median step as JSON."""
-    params = with_data(load_params(ROOT / "params.yaml", overrides), data)
+def time_training(workload: str, overrides: list[str]) -> None:
+    """Worker side: fit the workload with ``overrides``; rank 0 prints its median step as JSON."""
+    params = workload_params(workload, overrides)
     settings = configure_determinism(params.seed, params.deterministic)
     threads = set_threads_per_rank(params.train.devices)
     timer = StepTimer()

@@ -2,7 +2,7 @@
 # Which CPU dispatch variables change the trained bits on this host (issue 15 groundwork).
 # Trains the train stage (3 epochs, no DataLoader workers) once per setting in fresh
 # processes and prints the first 16 hex digits of sha256_state_dict of the weights;
-# equal digits mean bit-identical weights. Run from the repository root after `make venv`:
+# equal digits mean bit-identical weights. The digits recipe (params.yaml), as pin_sets.sh. Run from the repository root after `make venv`:
 #     bash benchmarks/cpu_pins.sh
 set -euo pipefail
 root=$(pwd)

@@ -3,12 +3,12 @@
 Each round runs, for both profiles one after the other (in alternating order),
 ``reprotrain bench --device cpu`` (median step time of the default model, the
 ``pipeline`` workload, and of the larger ``conv`` workload, deterministic mode)
-and times a whole ``reprotrain train`` stage (default params, 10 epochs, in a
+and times a whole ``reprotrain train`` stage (the workload's params, in a
 scratch folder; process start and the ~7 s torch import included). Prints
 each figure per profile and the ratio portable / native (median over rounds).
 Run from the repository root after ``make venv``::
 
-    .venv/bin/python benchmarks/cpu_profile.py [--rounds 3]
+    .venv/bin/python benchmarks/cpu_profile.py [--rounds 3] [--workload lm|digits]
 """
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _workspace import ROOT, WORKLOADS, add_workload_argument
+
 BIN = Path(sys.executable).parent
 PROFILES = ("portable", "native")
 
 
-def bench(profile: str) -> dict[str, float]:
+def bench(profile: str, params: Path) -> dict[str, float]:
     done = subprocess.run(
         [
             *(BIN / "reprotrain", "bench", "--device", "cpu", "--json", "--repeats", "3"),
-            *("--params", ROOT / "params.yaml", "-S", f"cpu.profile={profile}"),
+            *("--params", params, "-S", f"cpu.profile={profile}"),
         ],
         capture_output=True,
         text=True,
@@ -45,22 +46,21 @@ def bench(profile: str) -> dict[str, float]:
     }
 
 
-def train(profile: str, work: Path) -> float:
+def train(profile: str, work: Path, params: Path) -> float:
     out = work / profile
     shutil.rmtree(out, ignore_errors=True)
     argv = [
         BIN / "reprotrain",
         "train",
         "--params",
-        ROOT / "params.yaml",
+        params,
         "-S",
         f"cpu.profile={profile}",
-        "-S",
-        f"data.init_args.path={work / 'data.safetensors'}",
     ]
+    if (work / "data.safetensors").exists():  # a recipe with a prepare step
+        argv += ["-S", f"data.init_args.path={work / 'data.safetensors'}"]
+        argv += ["--data", work / "data.safetensors"]
     argv += [
-        "--data",
-        work / "data.safetensors",
         "--env",
         work / "env.json",
         "--checkpoints",
@@ -83,16 +83,22 @@ def train(profile: str, work: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    add_workload_argument(parser)
     args = parser.parse_args()
+    params = WORKLOADS[args.workload]
     work = Path(tempfile.mkdtemp(prefix="reprotrain-cpu-profile-"))
     try:
-        shutil.copy(ROOT / "params.yaml", work / "params.yaml")
-        subprocess.run(
-            [BIN / "reprotrain", "prepare", "--raw-dir", work, "--out", work / "data.safetensors"],
-            cwd=work,
-            check=True,
-            capture_output=True,
-        )
+        shutil.copy(params, work / "params.yaml")
+        if args.workload == "digits":  # the one recipe with a prepare step
+            subprocess.run(
+                [
+                    *(BIN / "reprotrain", "prepare", "--raw-dir", work),
+                    *("--out", work / "data.safetensors"),
+                ],
+                cwd=work,
+                check=True,
+                capture_output=True,
+            )
         subprocess.run(
             [
                 BIN / "reprotrain",
@@ -109,7 +115,10 @@ def main() -> None:
         rows: dict[str, dict[str, list[float]]] = {p: {} for p in PROFILES}
         for round_ in range(args.rounds):
             for profile in PROFILES if round_ % 2 == 0 else PROFILES[::-1]:
-                figures = {**bench(profile), "train stage (s)": train(profile, work)}
+                figures = {
+                    **bench(profile, params),
+                    "train stage (s)": train(profile, work, params),
+                }
                 for name, value in figures.items():
                     rows[profile].setdefault(name, []).append(value)
         cpu = next(
@@ -120,7 +129,7 @@ def main() -> None:
             ),
             "?",
         )
-        print(f"CPU: {cpu}; {args.rounds} rounds; medians; ratio = portable / native")
+        print(f"CPU: {cpu}; {args.workload}; {args.rounds} rounds; medians; ratio portable/native")
         print(f"{'':22} {'portable':>10} {'native':>10} {'ratio':>7}")
         for name in rows["portable"]:
             a, b = (statistics.median(rows[p][name]) for p in PROFILES)

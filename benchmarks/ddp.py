@@ -10,7 +10,7 @@ process: above 1 means slower). On the 2-core build machine little
 speed-up is possible: the point is the overhead of the path (all-reduce,
 two interpreters on two cores), measured.
 
-    .venv/bin/python benchmarks/ddp.py [--repeats 3] [--epochs 4] [--batch 64]
+    .venv/bin/python benchmarks/ddp.py [--repeats 3] [--epochs 4] [--batch B] [--workload lm|digits]
 """
 
 from __future__ import annotations
@@ -18,31 +18,44 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from _workspace import add_worker_arguments, prepared_data, time_training, timed_training
+from _workspace import (
+    add_worker_arguments,
+    add_workload_argument,
+    prepared_data,
+    time_training,
+    timed_training,
+    workload_params,
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=4, help="the first is warm-up")
-    parser.add_argument("--batch", type=int, default=64, help="global batch (even)")
+    parser.add_argument("--batch", type=int, help="global batch (even; default: the params')")
+    add_workload_argument(parser)
     add_worker_arguments(parser)
     cli = parser.parse_args()
     if cli.train is not None:  # a worker (or a rank Lightning started)
         time_training(cli.train, cli.set)
         return
+    params = workload_params(cli.workload)
+    cli.batch = cli.batch or params.batch_size
     layouts = {"1 process": (1, cli.batch), "2 processes": (2, cli.batch // 2)}
     results: dict[str, list[dict]] = {name: [] for name in layouts}
-    with prepared_data() as data:
+    with prepared_data(params) as data:
         for _ in range(cli.repeats):
             for name, (devices, batch) in layouts.items():
-                overrides = ["train.strategy=ddp", f"train.devices={devices}"]
+                overrides = [*data, "train.strategy=ddp", f"train.devices={devices}"]
                 overrides += [
                     f"train.max_epochs={cli.epochs}",
                     f"data.init_args.batch_size={batch}",
                 ]
-                results[name].append(timed_training(__file__, data, overrides))
-    print(f"global batch {cli.batch}, {cli.repeats} interleaved fresh trainings each, gloo on CPU")
+                results[name].append(timed_training(__file__, cli.workload, overrides))
+    print(
+        f"{cli.workload}, global batch {cli.batch}, {cli.repeats} interleaved fresh trainings "
+        "each, gloo on CPU"
+    )
     medians = {}
     for name, runs in results.items():
         medians[name] = statistics.median(r["step_s"] for r in runs)

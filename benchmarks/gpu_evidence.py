@@ -12,8 +12,9 @@ hold the device, driver, CUDA, cuDNN and torch build, every difference from
 the lock, and one headline per step. The steps, in order of value, within
 ``--budget-s`` (a step that would start after it is recorded as skipped):
 
-* ``twin_deterministic``: the train stage twice, ``deterministic: true``;
-  are model, trace and metrics bit-identical?
+* ``twin_deterministic``: the train stage twice, ``deterministic: true``, on
+  the workload (``--workload``: the language-model transformer by default,
+  ``digits`` for the CNN); are model, trace and metrics bit-identical?
 * ``noise_floor``: the same with ``deterministic: false``: how far they drift
   (max weight difference, first diverging step).
 * ``bench``: ``reprotrain bench`` on a GPU-sized conv workload: the cost of
@@ -21,7 +22,7 @@ the lock, and one headline per step. The steps, in order of value, within
 * ``ops``: ``reprotrain ops``: which ops have non-deterministic default paths
   here, and what determinism does to them (``ops.md`` too).
 * ``ddp_twin``: the 1-GPU DDP path (``strategy: ddp, devices: 1``) twice.
-* ``trace_overhead``: ``benchmarks/trace_overhead.py`` on this device.
+* ``trace_overhead``: ``benchmarks/trace_overhead.py`` on this device and workload.
 * ``pytest_gpu``: ``pytest -m gpu``, counts of passed / failed / skipped.
 * ``docker``: ``docker run --gpus all`` of the image twice, where the host has a
   Docker engine, the NVIDIA runtime and the image; otherwise it says which is missing.
@@ -52,6 +53,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _workspace import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = "reprotrain.gpu_evidence/1"
@@ -110,13 +113,16 @@ class Evidence:
         run = self.work / name
         run.mkdir()
         sets = [f"train.accelerator={self.accelerator}", f"train.max_epochs={EPOCHS[self.quick]}"]
-        # The data module reads what data.init_args.path names; --data only hashes the file.
-        sets.append(f"data.init_args.path={self.work / 'data.safetensors'}")
+        data = self.work / "data.safetensors"
+        if data.exists():  # a recipe with a prepare step
+            # The data module reads what data.init_args.path names; --data only hashes the file.
+            sets.append(f"data.init_args.path={data}")
         if self.quick:
             sets.append("data.init_args.num_workers=0")
         result = self.cli(
             "train",
-            *("--data", self.work / "data.safetensors", "--env", self.work / "env.json"),
+            *(("--data", data) if data.exists() else ()),
+            *("--env", self.work / "env.json"),
             *("--model", run / "model.safetensors", "--metrics", run / "metrics.json"),
             *("--plots", run / "plots", "--run-record", run / "run.json"),
             *("--checkpoints", run / "ckpt", "--trace", run / "trace.safetensors"),
@@ -153,6 +159,7 @@ class Evidence:
         return {
             "device": self.args.device,
             "device_name": self.facts["device_name"],
+            "workload": self.args.workload,
             "evidence_mode": True,
             "lock": self.facts["lock"]["file"],
             "lock_drift": self.facts["lock"]["drift"],
@@ -268,7 +275,7 @@ def step_ops(ev: Evidence) -> dict[str, Any]:
 def step_trace_overhead(ev: Evidence) -> dict[str, Any]:
     raw = ev.work / "trace_overhead.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "trace_overhead.py"), *TRACE[ev.quick]]
-    cmd += ["--accelerator", ev.accelerator, "--json", str(raw)]
+    cmd += ["--accelerator", ev.accelerator, "--json", str(raw), "--workload", ev.args.workload]
     _check(_run(cmd, ROOT, ev.env), "benchmarks/trace_overhead.py")
     return read_json(raw)
 
@@ -433,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", action="append", default=[], choices=STEPS, metavar="STEP")
     parser.add_argument("--image", default="reprotrain:latest", help="image for the docker step")
     parser.add_argument("--work", type=Path, help="keep the runs here (default: a temp folder)")
+    parser.add_argument(
+        "--workload", choices=tuple(WORKLOADS), default="lm", help="the recipe trained"
+    )
     args = parser.parse_args(argv)
     args.lock = args.lock or ROOT / (
         "requirements.lock" if args.device == "cuda" else "requirements-cpu.lock"
@@ -445,9 +455,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         args.work.mkdir(parents=True, exist_ok=True)
         ev = Evidence(args, args.work)
-        shutil.copy(ROOT / "params.yaml", ev.work / "params.yaml")
-        (ev.work / "raw").mkdir()
-        _check(ev.cli("prepare", "--raw-dir", "raw", "--out", "data.safetensors"), "prepare")
+        shutil.copy(WORKLOADS[args.workload], ev.work / "params.yaml")
+        if args.workload == "digits":  # the one recipe with a prepare step
+            (ev.work / "raw").mkdir()
+            _check(ev.cli("prepare", "--raw-dir", "raw", "--out", "data.safetensors"), "prepare")
         _check(ev.cli("env", "--lock", args.lock, "--out", "env.json"), "env")
         steps: dict[str, Callable[[], dict[str, Any]]] = {
             "twin_deterministic": lambda: ev.twin("det", "deterministic=true"),

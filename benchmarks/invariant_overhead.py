@@ -8,11 +8,11 @@ training times its optimizer steps on rank 0 after a warm-up epoch (from
 one step's end to the next, validation left out) and prints the median;
 this prints the medians over the repeats, each mode's ratio to plain DDP
 (of the medians, and the median of each repeat's own ratio: the host's
-load drifts less within a repeat), on the default model and on one whose
-hidden layer makes it about 10M parameters.
+load drifts less within a repeat), on the workload's default model and on
+a wider one of about 10M parameters.
 
-    .venv/bin/python benchmarks/invariant_overhead.py [--repeats 3] [--epochs 3] [--batch 64]
-        [--models both|default|10m]
+    .venv/bin/python benchmarks/invariant_overhead.py [--repeats 3] [--epochs 3] [--batch B]
+        [--models both|default|10m] [--workload lm|digits]
 """
 
 from __future__ import annotations
@@ -20,25 +20,39 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from _workspace import add_worker_arguments, prepared_data, time_training, timed_training
+from _workspace import (
+    add_worker_arguments,
+    add_workload_argument,
+    prepared_data,
+    time_training,
+    timed_training,
+    workload_params,
+)
 
-#: hidden width for ~10M parameters (512 x 19500 + 19500 x 10 weights).
-HIDDEN_10M = 19500
+#: Each workload's model at about 10M parameters: the digits CNN with a hidden layer of
+#: 19,500 (512 x 19500 + 19500 x 10 weights); the transformer 6 layers wide 384.
+MODEL_10M = {
+    "digits": ["model.init_args.hidden=19500"],
+    "lm": ["model.init_args.n_layer=6", "model.init_args.n_head=6", "model.init_args.n_embd=384"],
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3, help="the first is warm-up")
-    parser.add_argument("--batch", type=int, default=64, help="global batch (divisible by 4)")
+    parser.add_argument("--batch", type=int, help="global batch (divisible by 4; default: params')")
     parser.add_argument(
         "--models", choices=("both", "default", "10m"), default="both", help="which models to time"
     )
+    add_workload_argument(parser)
     add_worker_arguments(parser)
     cli = parser.parse_args()
     if cli.train is not None:  # a worker (or the rank Lightning started)
         time_training(cli.train, cli.set)
         return
+    params = workload_params(cli.workload)
+    cli.batch = cli.batch or params.batch_size
     common = ["train.strategy=ddp", "train.devices=2", f"train.max_epochs={cli.epochs}"]
     # Plain DDP's data.init_args.batch_size is per rank; the mode's is the global batch.
     modes = {
@@ -52,18 +66,22 @@ def main() -> None:
             for micro in (cli.batch // 2, cli.batch // 4)
         },
     }
-    models = {"default model": [], "~10M-parameter model": [f"model.init_args.hidden={HIDDEN_10M}"]}
+    models = {"default model": [], "~10M-parameter model": MODEL_10M[cli.workload]}
     if cli.models != "both":
         models = dict([list(models.items())[cli.models == "10m"]])
     times: dict[tuple[str, str], list[float]] = {(m, k): [] for m in models for k in modes}
-    with prepared_data() as data:
+    with prepared_data(params) as data:
         for _ in range(cli.repeats):
             for model, model_set in models.items():
                 for mode, mode_set in modes.items():
-                    result = timed_training(__file__, data, [*common, *model_set, *mode_set])
+                    overrides = [*data, *common, *model_set, *mode_set]
+                    result = timed_training(__file__, cli.workload, overrides)
                     times[(model, mode)].append(result["step_s"])
     time_draws()
-    print(f"2 gloo processes, global batch {cli.batch}, {cli.repeats} interleaved fresh trainings")
+    print(
+        f"{cli.workload}, 2 gloo processes, global batch {cli.batch}, {cli.repeats} interleaved "
+        "fresh trainings"
+    )
     for model in models:
         base = statistics.median(times[(model, "plain DDP")])
         print(f"  {model}:")

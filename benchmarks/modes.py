@@ -6,7 +6,7 @@ mode, their ratio, and whether every run of a mode produced the same weights
 (sha256 of model.safetensors). On CPU both modes are often already bitwise
 repeatable: the script reports what it sees, it does not assume.
 
-    .venv/bin/python benchmarks/modes.py [--repeats 4] [--epochs 10]
+    .venv/bin/python benchmarks/modes.py [--repeats 4] [--epochs N] [--workload lm|digits]
 """
 
 from __future__ import annotations
@@ -18,26 +18,25 @@ import time
 
 import torch
 
-from _workspace import ROOT, train_workspace, with_data
+from _workspace import add_workload_argument, train_workspace, workload_params
 from reprotrain.determinism import reexec_with_fixed_hash_seed
 from reprotrain.hashing import sha256_file
-from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.stages import train
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=None, help="default: params.yaml")
+    parser.add_argument("--epochs", type=int, default=None, help="default: the params file's")
+    add_workload_argument(parser)
     cli = parser.parse_args()
     overrides = [] if cli.epochs is None else [f"train.max_epochs={cli.epochs}"]
-    base = load_params(ROOT / "params.yaml", overrides)
+    base = workload_params(cli.workload, overrides)
     # The stage's CPU profile (threads, kernels) works only from process start, as in the CLI.
     reexec_with_fixed_hash_seed(base.cpu.to_profile().variables())
     times: dict[str, list[float]] = {"true": [], "false": []}
     hashes: dict[str, set[str]] = {name: set() for name in times}
-    with train_workspace(base) as args:
-        base = with_data(base, args.data[0])
+    with train_workspace(base) as (args, base):
         modes = {
             str(mode).lower(): dataclasses.replace(base, deterministic=mode)
             for mode in (True, False)
@@ -51,7 +50,8 @@ def main() -> None:
                 hashes[name].add(sha256_file(args.model))
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"device {device}, torch {torch.__version__}, {base.train.max_epochs} epochs")
+    epochs = base.train.max_epochs
+    print(f"device {device}, torch {torch.__version__}, {cli.workload}, {epochs} epochs")
     print("mode   median_s  runs_identical  runs")
     for name in modes:
         same = "yes" if len(hashes[name]) == 1 else f"no ({len(hashes[name])} distinct)"

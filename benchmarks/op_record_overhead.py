@@ -1,7 +1,8 @@
 """Time of one recorded training step against a plain one (``reprotrain.ops.recorder``).
 
 A plain PyTorch loop (forward, backward, Adam step) on CPU, for the
-pipeline's default network (batch 64) and a ~10M-parameter MLP (batch 64).
+workload's model (``--workload``, its params' batch size; the loss its
+``training_step`` returns) and a ~10M-parameter MLP (batch 64).
 Each repeat times one plain step and one recorded step, interleaved, after
 warm-up steps; a recorded step is ``record_step`` with a one-step window, so
 it includes everything a user pays to record a step: the mode, a
@@ -17,7 +18,7 @@ each part costs.
 Figures, and where the time goes: docs/any-script.md ("What recording costs").
 
     .venv/bin/python benchmarks/op_record_overhead.py [--repeats 15] [--threads N] [--parts]
-        [--json PATH]
+        [--json PATH] [--workload lm|digits]
 """
 
 from __future__ import annotations
@@ -36,30 +37,34 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _workspace import ROOT
+from _workspace import add_workload_argument, train_workspace, workload_params
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
 from reprotrain.hashing import canonical_json, load_safetensors
 from reprotrain.ops import recording
 from reprotrain.ops.recorder import record_step
 from reprotrain.ops.recording import _crc
-from reprotrain.pipeline.config import load_params
-from reprotrain.pipeline.recipe import resolve_recipe
-from reprotrain.recipes.digits import build_network
+from reprotrain.pipeline.data import PipelineLoaders
+from reprotrain.pipeline.recipe import build, resolve_recipe
 from trace_overhead import MLP
 
-
-def pipeline_network() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """The digits recipe's network with params.yaml's model arguments (defaults filled in)."""
-    model = resolve_recipe(load_params(ROOT / "params.yaml", [])).model.init_args
-    sizes = (model["channels"], model["hidden"], model["dropout"])
-    net = build_network((1, 8, 8), 10, *sizes)
-    return net, torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
+#: A model, one batch, and the loss of that model on that batch.
+Workload = tuple[nn.Module, Any, Callable[[nn.Module, Any], torch.Tensor]]
 
 
-def mlp() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def pipeline_model(workload: str) -> Workload:
+    """The workload's LightningModule, its first training batch, and its training_step."""
+    with train_workspace(workload_params(workload)) as (_, params):
+        recipe = resolve_recipe(params)
+        source, module, _ = build(recipe)
+        batch = next(iter(PipelineLoaders(source, seed=params.seed).train_dataloader()))
+    return module, batch, lambda net, batch: net.training_step(batch, 0)
+
+
+def mlp() -> Workload:
     """The ~10M-parameter MLP of benchmarks/trace_overhead.py, without Lightning."""
-    return MLP().net, torch.randn(64, 1024), torch.randint(0, 10, (64,))
+    batch = (torch.randn(64, 1024), torch.randint(0, 10, (64,)))
+    return MLP().net, batch, lambda net, batch: F.cross_entropy(net(batch[0]), batch[1])
 
 
 class _EmptyMode(TorchDispatchMode):
@@ -87,21 +92,19 @@ def _texts_only(value: Any) -> int:
     return 0 if isinstance(value, torch.Tensor) else _crc(value)
 
 
-def measure(
-    name: str, build: Callable[[], tuple[nn.Module, Any, Any]], repeats: int, parts: bool
-) -> dict:
+def measure(name: str, workload: Callable[[], Workload], repeats: int, parts: bool) -> dict:
     configure_determinism(0, True)
-    net, x, y = build()
+    net, batch, loss_of = workload()
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
 
     def step() -> None:
-        loss = F.cross_entropy(net(x), y)
+        loss = loss_of(net, batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
 
     def recorded(index: int) -> None:
-        with record_step(net, index, optimizer, steps=(index, index), out=out, batch=(x, y)):
+        with record_step(net, index, optimizer, steps=(index, index), out=out, batch=batch):
             step()
 
     def variant(index: int, *patches: tuple[Any, str, Any]) -> None:
@@ -139,7 +142,7 @@ def measure(
     size = sum(p.numel() for p in net.parameters())
     medians = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     result = {
-        "model": f"{name} ({size:,} parameters, batch 64)",
+        "model": f"{name} ({size:,} parameters, batch {len(batch[0])})",
         "ops_per_step": ops,
         "plain_ms": medians["plain"],
         "recorded_ms": medians["recorded"],
@@ -164,13 +167,14 @@ def main() -> None:
     parser.add_argument(
         "--parts", action="store_true", help="also time variants that leave one part out"
     )
+    add_workload_argument(parser)
     cli = parser.parse_args()
     reexec_with_fixed_hash_seed()
     if cli.threads:
         torch.set_num_threads(cli.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cli.repeats} repeats")
     results = [
-        measure("pipeline network", pipeline_network, cli.repeats, cli.parts),
+        measure(cli.workload, lambda: pipeline_model(cli.workload), cli.repeats, cli.parts),
         measure("MLP", mlp, cli.repeats, cli.parts),
     ]
     if cli.json:

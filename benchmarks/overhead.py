@@ -1,7 +1,7 @@
 """Wall time of one default `train` stage, and its ratio to a bare Lightning loop.
 
 Both sides run in this one process, interleaved (ours, bare, ours, bare, ...)
-after a warm-up of each, on the same prepared digits data, model, seed and
+after a warm-up of each, on the same data (``--workload``), model, seed and
 determinism flags. "Ours" is the real stage function (determinism set-up,
 resolving and checking the model and data module params.yaml names, data
 checks, in-memory logger, atomic safetensors/JSON/CSV writes); "bare" is
@@ -13,7 +13,7 @@ and imports are the same for both and are left out of the ratio; one fresh
 timed separately.
 Target: ratio of medians <= 1.02.
 
-    .venv/bin/python benchmarks/overhead.py [--repeats 8] [--epochs 10]
+    .venv/bin/python benchmarks/overhead.py [--repeats 8] [--epochs N] [--workload lm|digits]
 """
 
 from __future__ import annotations
@@ -26,9 +26,15 @@ import time
 
 import lightning as L
 
-from _workspace import ROOT, train_workspace, with_data
+from _workspace import (
+    ROOT,
+    WORKLOADS,
+    add_workload_argument,
+    data_overrides,
+    train_workspace,
+    workload_params,
+)
 from reprotrain.determinism import reexec_with_fixed_hash_seed
-from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import PipelineLoaders
 from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.pipeline.stages import train
@@ -57,17 +63,17 @@ def stage_flags(args: argparse.Namespace) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=None, help="default: params.yaml")
+    parser.add_argument("--epochs", type=int, default=None, help="default: the params file's")
+    add_workload_argument(parser)
     cli = parser.parse_args()
     overrides = [] if cli.epochs is None else [f"train.max_epochs={cli.epochs}"]
-    params = load_params(ROOT / "params.yaml", overrides)
+    params = workload_params(cli.workload, overrides)
     # The stage's CPU profile (threads, kernels) works only from process start, as in the CLI.
     reexec_with_fixed_hash_seed(params.cpu.to_profile().variables())
 
-    with train_workspace(params) as args:
+    with train_workspace(params) as (args, params):
         # The data module reads the workspace's prepared file, in here and in the fresh process.
-        overrides.append(f"data.init_args.path={args.data[0]}")
-        params = with_data(params, args.data[0])
+        overrides += data_overrides(args.data[0] if args.data else None)
         recipe = resolve_recipe(params)
 
         def ours() -> None:
@@ -98,6 +104,7 @@ def main() -> None:
         subprocess.run(
             [
                 *(sys.executable, "-m", "reprotrain", "train"),
+                *("--params", WORKLOADS[cli.workload]),
                 *overrides_as_flags(overrides),
                 *stage_flags(args),
             ],
@@ -116,7 +123,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
 
     med = {name: statistics.median(values) for name, values in times.items()}
-    print(f"one default train in a fresh process (imports included): {fresh:.2f} s")
+    print(f"{cli.workload}: one default train in a fresh process (imports included): {fresh:.2f} s")
     print(
         f"train stage in-process, {params.train.max_epochs} epochs, {cli.repeats} interleaved pairs"
     )

@@ -5,7 +5,9 @@
 # DataLoader workers per pin set, in fresh processes; prints the CPU's caches, then one line
 # per pin set with the first 16 hex digits of sha256_state_dict of the weights, under the
 # digits network's own tensor names (the module's "net." prefix dropped, as the weights
-# files named them before issue 29), so rows compare with earlier tables. Run from the
+# files named them before issue 29), so rows compare with earlier tables. It stays on the digits
+# recipe, where the other benchmarks train the language model: the cross-host table is in digits
+# weights. Run from the
 # repository root after `make venv`:
 #     bash benchmarks/pin_sets.sh
 # (The same rows as ../shared/tools/pin-fingerprints.sh, whose table the docs extend.)

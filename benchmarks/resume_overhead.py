@@ -9,7 +9,7 @@ the random-state capture itself (``RandomStateCallback.state_dict``, what
 each checkpoint adds) and prints it as a share of the median train time.
 Target: 1% or less.
 
-    .venv/bin/python benchmarks/resume_overhead.py [--repeats 6]
+    .venv/bin/python benchmarks/resume_overhead.py [--repeats 6] [--workload lm|digits]
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-from _workspace import ROOT, train_workspace, with_data
+from _workspace import add_workload_argument, train_workspace, workload_params
 from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
-from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.pipeline.training import Checkpointing, fit
 from reprotrain.resume import RandomStateCallback
@@ -33,12 +32,12 @@ from reprotrain.resume import RandomStateCallback
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=6)
+    add_workload_argument(parser)
     cli = parser.parse_args()
     reexec_with_fixed_hash_seed()
-    params = load_params(ROOT / "params.yaml")
+    params = workload_params(cli.workload)
     times: dict[str, list[float]] = {"with random state": [], "without": []}
-    with train_workspace(params) as args, tempfile.TemporaryDirectory() as ckpt:
-        params = with_data(params, args.data[0])
+    with train_workspace(params) as (_, params), tempfile.TemporaryDirectory() as ckpt:
         recipe = resolve_recipe(params)
 
         def timed_fit(random_state: bool) -> float:
@@ -55,7 +54,7 @@ def main() -> None:
     med = {name: statistics.median(values) for name, values in times.items()}
     epochs = params.train.max_epochs
     saves = epochs // params.train.checkpoint_every_n_epochs
-    print(f"default train, {epochs} epochs, {saves} checkpoints, {cli.repeats} pairs")
+    print(f"{cli.workload}: train, {epochs} epochs, {saves} checkpoints, {cli.repeats} pairs")
     for name, values in times.items():
         print(
             f"  {name:17s} median {med[name]:.3f} s  runs {', '.join(f'{v:.3f}' for v in values)}"

@@ -33,7 +33,7 @@ when its weight rows went through torch's int8 matmul at 0.2 GB/s; now a
 float32 GEMM, about 0.6 GB/s), still above the 1.03 target.
 
     .venv/bin/python benchmarks/trace_overhead.py [--repeats 5] [--epochs 3] [--mlp-steps 64]
-        [--threads N] [--accelerator cpu|gpu] [--json PATH]
+        [--threads N] [--accelerator cpu|gpu] [--json PATH] [--workload lm|digits]
 """
 
 from __future__ import annotations
@@ -55,11 +55,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from _workspace import ROOT, train_workspace, with_data
+from _workspace import add_workload_argument, train_workspace, with_data, workload_params
 from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
 from reprotrain.hashing import canonical_json
-from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import PipelineLoaders
 from reprotrain.pipeline.recipe import build, resolve_recipe
 from reprotrain.trace.callback import DEFAULT_WEIGHTS_EVERY, TraceCallback
@@ -236,6 +235,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0, help="pipeline DataLoader workers")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--json", type=Path, help="also write the figures here as JSON")
+    add_workload_argument(parser)
     cli = parser.parse_args()
     reexec_with_fixed_hash_seed()
     if cli.threads:
@@ -245,9 +245,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"TraceCallback default weights_every={DEFAULT_WEIGHTS_EVERY}")  # fmt: skip
 
-    params = load_params(ROOT / "params.yaml", [])
-    with train_workspace(params) as args:
-        params = with_data(params, args.data[0], num_workers=cli.workers)
+    with train_workspace(workload_params(cli.workload)) as (_, params):
+        params = with_data(params, num_workers=cli.workers)
         recipe = resolve_recipe(params)
         source, _, linked = build(recipe)  # the data module, set up once
 
