@@ -1,0 +1,348 @@
+"""Datasets bigger than memory: a folder of shards, read a sample at a time, never whole.
+
+The format (``reprotrain.shards/1``) is a folder: ``index.json`` and, per
+split and field, plain ``.npy`` shards named ``<split>-<shard:05d>-<field>.npy``
+(numpy, or any tool that reads ``.npy``, opens them). ``index.json`` is
+canonical JSON::
+
+    {"format": "reprotrain.shards/1", "meta": {...},
+     "splits": {"train": {"samples": 1000,
+                          "fields": {"x": {"dtype": "<f4", "shape": [1, 8, 8]}, ...},
+                          "shards": [{"samples": 256,
+                                      "files": {"x": {"name": ..., "bytes": ..., "sha256": ...},
+                                                ...}}, ...]}}}
+
+:class:`ShardedDataset` is a map-style dataset over one split: ``len`` and
+``__getitem__`` (a tuple of tensors, in the index's field order, as a
+``TensorDataset`` gives). A sample is read with ``os.pread`` at its row's
+offset in each field's shard: no memory map, nothing of the split held, so a
+process's memory is what its batches need, whatever the dataset's size.
+Files open lazily in each process (a forked DataLoader worker opens its own).
+Being map-style, it takes the order of whatever sampler reads it: the
+pipeline's, which is one order for any worker count and, under world-size
+invariance, any world size (docs/data.md).
+
+:func:`check_shards` refuses, with a :class:`ShardError` naming the shard, a
+missing or resized shard, one whose header disagrees with the index, an
+index that names more samples than a shard holds, and (``hashes=True``,
+reading every byte) a shard whose sha256 is not the index's. :class:`ShardWriter`
+writes the format a chunk at a time, so a dataset never has to fit in memory
+to be written; the folder appears whole (written beside it, then renamed) or
+not at all.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from reprotrain.hashing import canonical_json
+
+FORMAT = "reprotrain.shards/1"
+INDEX = "index.json"
+
+
+class ShardError(ValueError):
+    """A shard folder that does not match its index: the message names the file."""
+
+
+def shard_name(split: str, shard: int, field: str) -> str:
+    return f"{split}-{shard:05d}-{field}.npy"
+
+
+def read_index(folder: str | Path) -> dict[str, Any]:
+    """The folder's index, its format checked; a ShardError if missing or unreadable."""
+    path = Path(folder) / INDEX
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ShardError(f"{path}: no shard index; write the folder with ShardWriter") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ShardError(f"{path}: unreadable shard index ({err}); rewrite the folder") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        found = index.get("format") if isinstance(index, dict) else None
+        raise ShardError(f"{path}: format {found!r}, expected {FORMAT!r}; rewrite the folder")
+    return index
+
+
+def _npy_layout(path: Path) -> tuple[int, np.dtype, tuple[int, ...]]:
+    """(header bytes, dtype, shape) of an .npy file, from its header alone."""
+    with path.open("rb") as handle:
+        version = np.lib.format.read_magic(handle)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(handle)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(handle)
+        if fortran:
+            raise ValueError("Fortran order")
+        return handle.tell(), dtype, tuple(shape)
+
+
+def check_shards(folder: str | Path, hashes: bool = False) -> dict[str, Any]:
+    """The folder's index, once every shard it names matches it; else a ShardError.
+
+    Without ``hashes`` it reads only headers and sizes (a missing, truncated or
+    extended shard, a header that disagrees with the index, an index naming more
+    samples than a shard holds); with it, every byte is hashed as well (an altered
+    shard of the right size).
+    """
+    folder = Path(folder)
+    index = read_index(folder)
+    for split, entry in index["splits"].items():
+        counted = 0
+        for shard in entry["shards"]:
+            counted += shard["samples"]
+            for field, spec in entry["fields"].items():
+                _check_file(folder, shard["files"][field], shard["samples"], spec, hashes)
+        if counted != entry["samples"]:
+            raise ShardError(
+                f"{folder / INDEX}: split {split!r} names {entry['samples']} samples but its "
+                f"shards hold {counted}; rewrite the folder"
+            )
+    return index
+
+
+def _check_file(
+    folder: Path, file: Mapping[str, Any], samples: int, spec: Mapping[str, Any], hashes: bool
+) -> None:
+    path = folder / file["name"]
+    if not path.is_file():
+        raise ShardError(f"{path}: shard missing (named in {INDEX}); restore it (dvc checkout)")
+    try:
+        header, dtype, shape = _npy_layout(path)
+    except (OSError, ValueError) as err:
+        raise ShardError(f"{path}: not a readable .npy shard ({err}); restore it") from None
+    if dtype != np.dtype(spec["dtype"]) or tuple(shape[1:]) != tuple(spec["shape"]):
+        raise ShardError(
+            f"{path}: holds {dtype.str} x {list(shape[1:])}, the index says {spec['dtype']} x "
+            f"{spec['shape']}; restore it"
+        )
+    if shape[0] < samples:
+        raise ShardError(
+            f"{path}: holds {shape[0]} samples, the index names {samples}; restore the shard"
+        )
+    size = path.stat().st_size
+    if size != file["bytes"] or size != header + shape[0] * dtype.itemsize * _rows(shape[1:]):
+        raise ShardError(
+            f"{path}: {size} bytes, expected {file['bytes']} (truncated or extended); restore it"
+        )
+    if hashes and _sha256(path) != file["sha256"]:
+        raise ShardError(f"{path}: sha256 differs from {INDEX}'s (altered); restore it")
+
+
+def _rows(shape: tuple[int, ...] | list[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class ShardedDataset(Dataset):
+    """One split of a shard folder as a map-style dataset (module doc).
+
+    Sample ``i`` is a tuple of tensors, one per field, in the index's field
+    order. The folder is checked (sizes and headers, :func:`check_shards`)
+    when the dataset is made.
+    """
+
+    def __init__(self, folder: str | Path, split: str) -> None:
+        self.folder = Path(folder)
+        index = check_shards(self.folder)
+        if split not in index["splits"]:
+            raise ShardError(
+                f"{self.folder / INDEX}: no split {split!r} (it has {sorted(index['splits'])})"
+            )
+        entry = index["splits"][split]
+        self.fields = list(entry["fields"])
+        self._specs = [
+            (np.dtype(spec["dtype"]), tuple(spec["shape"])) for spec in entry["fields"].values()
+        ]
+        self._files = [[s["files"][f]["name"] for f in self.fields] for s in entry["shards"]]
+        self._headers = [
+            [_npy_layout(self.folder / name)[0] for name in names] for names in self._files
+        ]
+        counts = [s["samples"] for s in entry["shards"]]
+        self._starts = np.cumsum([0, *counts]).tolist()
+        self._pid: int | None = None
+        self._fds: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        index = int(index)
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} of {len(self)}")
+        shard = bisect.bisect_right(self._starts, index) - 1
+        row = index - self._starts[shard]
+        sample = []
+        for name, header, (dtype, shape) in zip(
+            self._files[shard], self._headers[shard], self._specs, strict=True
+        ):
+            width = dtype.itemsize * _rows(shape)
+            raw = os.pread(self._fd(name), width, header + row * width)
+            array = np.frombuffer(raw, dtype=dtype).reshape(shape)
+            sample.append(torch.from_numpy(array.copy()))
+        return tuple(sample)
+
+    def _fd(self, name: str) -> int:
+        if self._pid != os.getpid():  # a forked worker: its own descriptors
+            self._pid, self._fds = os.getpid(), {}
+        if name not in self._fds:
+            self._fds[name] = os.open(self.folder / name, os.O_RDONLY)
+        return self._fds[name]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pid": None, "_fds": {}}
+
+    def __del__(self) -> None:
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+class ShardWriter:
+    """Write a shard folder a chunk at a time (module doc).
+
+    ``add(split, {field: array})`` appends samples (every field the same count
+    along the first axis, the same dtype and trailing shape on every call);
+    full shards of ``samples_per_shard`` are written as they fill. ``close()``
+    writes the last shards and the index, then renames the folder into place
+    (a folder already there is replaced). Used as a context manager, an
+    exception leaves the previous folder as it was.
+    """
+
+    def __init__(
+        self, folder: str | Path, samples_per_shard: int, meta: Mapping[str, Any] | None = None
+    ) -> None:
+        if samples_per_shard < 1:
+            raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+        self.folder = Path(folder)
+        self.samples_per_shard = samples_per_shard
+        self.meta = dict(meta or {})
+        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        self._work = Path(
+            tempfile.mkdtemp(prefix=f".{self.folder.name}.tmp-", dir=self.folder.parent)
+        )
+        self._splits: dict[str, dict[str, Any]] = {}
+        self._pending: dict[str, dict[str, list[np.ndarray]]] = {}
+
+    def add(self, split: str, arrays: Mapping[str, np.ndarray]) -> None:
+        arrays = {field: np.ascontiguousarray(a) for field, a in arrays.items()}
+        counts = {len(a) for a in arrays.values()}
+        if len(counts) != 1:
+            raise ValueError(f"split {split!r}: fields differ in sample count ({counts})")
+        entry = self._splits.setdefault(
+            split,
+            {
+                "samples": 0,
+                "fields": {
+                    f: {"dtype": a.dtype.str, "shape": list(a.shape[1:])} for f, a in arrays.items()
+                },
+                "shards": [],
+            },
+        )
+        for field, array in arrays.items():
+            spec = entry["fields"].get(field)
+            if spec is None or (array.dtype.str, list(array.shape[1:])) != (
+                spec["dtype"],
+                spec["shape"],
+            ):
+                raise ValueError(f"split {split!r}, field {field!r}: dtype or shape changed")
+        pending = self._pending.setdefault(split, {f: [] for f in arrays})
+        for field, array in arrays.items():
+            pending[field].append(array)
+        while self._pending_count(split) >= self.samples_per_shard:
+            self._flush(split, self.samples_per_shard)
+
+    def _pending_count(self, split: str) -> int:
+        return sum(len(a) for a in next(iter(self._pending[split].values())))
+
+    def _flush(self, split: str, count: int) -> None:
+        entry, pending = self._splits[split], self._pending[split]
+        shard = {"samples": count, "files": {}}
+        for field, chunks in pending.items():
+            joined = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+            name = shard_name(split, len(entry["shards"]), field)
+            np.save(self._work / name, joined[:count], allow_pickle=False)
+            path = self._work / name
+            shard["files"][field] = {
+                "name": name, "bytes": path.stat().st_size, "sha256": _sha256(path)
+            }  # fmt: skip
+            pending[field] = [joined[count:]] if len(joined) > count else []
+        entry["shards"].append(shard)
+        entry["samples"] += count
+
+    def close(self) -> dict[str, Any]:
+        """Write what is left and the index; move the folder into place; the index."""
+        for split in self._splits:
+            if self._pending_count(split):
+                self._flush(split, self._pending_count(split))
+        index = {"format": FORMAT, "meta": self.meta, "splits": self._splits}
+        (self._work / INDEX).write_text(canonical_json(index), encoding="utf-8")
+        for path in self._work.iterdir():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+        self._work.chmod(0o755)
+        old = None
+        if self.folder.exists():
+            old = self.folder.with_name(f".{self.folder.name}.old-{os.getpid()}")
+            self.folder.rename(old)
+        self._work.rename(self.folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return index
+
+    def abort(self) -> None:
+        shutil.rmtree(self._work, ignore_errors=True)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, kind: object, *_: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_shards(
+    folder: str | Path,
+    splits: Mapping[str, Mapping[str, np.ndarray]],
+    samples_per_shard: int,
+    meta: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write in-memory splits (``{split: {field: array}}``) as a shard folder; its index."""
+    writer = ShardWriter(folder, samples_per_shard, meta)
+    try:
+        for split, arrays in splits.items():
+            writer.add(split, arrays)
+        return writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def iter_files(index: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """Every shard file the index names (name, bytes, sha256)."""
+    for entry in index["splits"].values():
+        for shard in entry["shards"]:
+            yield from shard["files"].values()
