@@ -213,7 +213,7 @@ class ShardedDataset(Dataset):
         return {**self.__dict__, "_pid": None, "_fds": {}}
 
     def __del__(self) -> None:
-        if self._pid == os.getpid():
+        if getattr(self, "_pid", None) == os.getpid():
             for fd in self._fds.values():
                 with contextlib.suppress(OSError):
                     os.close(fd)
