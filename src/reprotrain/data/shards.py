@@ -14,9 +14,12 @@ canonical JSON::
 
 :class:`ShardedDataset` is a map-style dataset over one split: ``len`` and
 ``__getitem__`` (a tuple of tensors, in the index's field order, as a
-``TensorDataset`` gives). A sample is read with ``os.pread`` at its row's
-offset in each field's shard: no memory map, nothing of the split held, so a
-process's memory is what its batches need, whatever the dataset's size.
+``TensorDataset`` gives) and ``__getitems__`` (a list of them, which a
+``DataLoader`` asks for a batch at a time). A batch's rows of each field are
+read with ``os.preadv`` at their offsets in the field's shards, straight into
+one array (a call per row, or per run of consecutive rows): no memory map,
+nothing of the split held, so a process's memory is what its batches need,
+whatever the dataset's size.
 Files open lazily in each process (a forked DataLoader worker opens its own).
 Being map-style, it takes the order of whatever sampler reads it: the
 pipeline's, which is one order for any worker count and, under world-size
@@ -40,7 +43,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,8 +160,8 @@ def _sha256(path: Path) -> str:
 class ShardedDataset(Dataset):
     """One split of a shard folder as a map-style dataset (module doc).
 
-    Sample ``i`` is a tuple of tensors, one per field, in the index's field
-    order. The folder is checked (sizes and headers, :func:`check_shards`)
+    Sample ``i`` is a tuple of tensors, one per field, in the order of the
+    fields' names (the index is canonical JSON: ``x`` before ``y``). The folder is checked (sizes and headers, :func:`check_shards`)
     when the dataset is made.
     """
 
@@ -178,45 +181,70 @@ class ShardedDataset(Dataset):
         self._headers = [
             [_npy_layout(self.folder / name)[0] for name in names] for names in self._files
         ]
+        self._widths = [dtype.itemsize * _rows(shape) for dtype, shape in self._specs]
         counts = [s["samples"] for s in entry["shards"]]
         self._starts = np.cumsum([0, *counts]).tolist()
         self._pid: int | None = None
-        self._fds: dict[str, int] = {}
+        self._fds: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
         return self._starts[-1]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
-        index = int(index)
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} of {len(self)}")
-        shard = bisect.bisect_right(self._starts, index) - 1
-        row = index - self._starts[shard]
-        sample = []
-        for name, header, (dtype, shape) in zip(
-            self._files[shard], self._headers[shard], self._specs, strict=True
-        ):
-            width = dtype.itemsize * _rows(shape)
-            raw = os.pread(self._fd(name), width, header + row * width)
-            array = np.frombuffer(raw, dtype=dtype).reshape(shape)
-            sample.append(torch.from_numpy(array.copy()))
-        return tuple(sample)
+        return self.__getitems__([index])[0]
 
-    def _fd(self, name: str) -> int:
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, ...]]:
+        """Samples ``indices``, as ``[self[i] for i in indices]`` (a DataLoader calls this
+        with a whole batch). Each field's rows are read straight into one array, a run of
+        consecutive samples of a shard by one call."""
+        indices = [int(index) for index in indices]
+        for index in indices:
+            if not 0 <= index < len(self):
+                raise IndexError(f"sample {index} of {len(self)}")
+        arrays = [np.empty((len(indices), *shape), dtype) for dtype, shape in self._specs]
+        buffers = [memoryview(array.reshape(-1).view(np.uint8)) for array in arrays]
+        for position, shard, row, count in self._runs(indices):
+            fds, headers = self._shard_fds(shard), self._headers[shard]
+            for field, (width, buffer) in enumerate(zip(self._widths, buffers, strict=True)):
+                target = buffer[position * width : (position + count) * width]
+                if os.preadv(fds[field], [target], headers[field] + row * width) != len(target):
+                    name = self._files[shard][field]
+                    raise ShardError(f"{self.folder / name}: shorter than {INDEX} says; restore it")
+        columns = [torch.from_numpy(array).unbind(0) for array in arrays]
+        return list(zip(*columns, strict=True))
+
+    def _runs(self, indices: list[int]) -> list[list[int]]:
+        """``[position in indices, shard, first row, count]`` per run of consecutive
+        samples of one shard (runs of one, in a shuffled order)."""
+        runs: list[list[int]] = []
+        for position, index in enumerate(indices):
+            run = runs[-1] if runs else None
+            if run and index == indices[position - 1] + 1 and index < self._starts[run[1] + 1]:
+                run[3] += 1
+            else:
+                shard = bisect.bisect_right(self._starts, index) - 1
+                runs.append([position, shard, index - self._starts[shard], 1])
+        return runs
+
+    def _shard_fds(self, shard: int) -> list[int]:
+        """This process's descriptors of the shard's files, by field (opened on first use)."""
         if self._pid != os.getpid():  # a forked worker: its own descriptors
             self._pid, self._fds = os.getpid(), {}
-        if name not in self._fds:
-            self._fds[name] = os.open(self.folder / name, os.O_RDONLY)
-        return self._fds[name]
+        fds = self._fds.get(shard)
+        if fds is None:
+            names = self._files[shard]
+            fds = self._fds[shard] = [os.open(self.folder / name, os.O_RDONLY) for name in names]
+        return fds
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_pid": None, "_fds": {}}
 
     def __del__(self) -> None:
         if getattr(self, "_pid", None) == os.getpid():
-            for fd in self._fds.values():
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            for fds in self._fds.values():
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
 
 
 class ShardWriter:
