@@ -161,8 +161,8 @@ class ShardedDataset(Dataset):
     """One split of a shard folder as a map-style dataset (module doc).
 
     Sample ``i`` is a tuple of tensors, one per field, in the order of the
-    fields' names (the index is canonical JSON: ``x`` before ``y``). The folder is checked (sizes and headers, :func:`check_shards`)
-    when the dataset is made.
+    fields' names (the index is canonical JSON: ``x`` before ``y``). The folder is
+    checked (sizes and headers, :func:`check_shards`) when the dataset is made.
     """
 
     def __init__(self, folder: str | Path, split: str) -> None:
