@@ -12,7 +12,6 @@ such a host would.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 from collections.abc import Iterator
@@ -34,7 +33,14 @@ if EMULATED_LEVEL:
     del os.environ["ATEN_CPU_CAPABILITY"]
 
 from reprotrain.determinism import reexec_with_fixed_hash_seed  # noqa: E402
-from tests.helpers import ROOT, commit_all, copy_checkout, run_checked, run_cli  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    ROOT,
+    built_once,
+    commit_all,
+    copy_checkout,
+    run_checked,
+    run_cli,
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -90,20 +96,15 @@ def dvc_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     the run's shared temp folder; every worker then gets its own copy, so no two
     workers' git or DVC commands touch one repository at once.
     """
-    shared = tmp_path_factory.getbasetemp()
-    if worker_id != "master":
-        shared = shared.parent
-    built = shared / "dvc_repo"
-    with (shared / "dvc_repo.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not (shared / "dvc_repo.done").exists():
-            shutil.rmtree(built, ignore_errors=True)
-            built.mkdir()
-            copy_checkout(built)
-            run_checked("dvc", "repro", cwd=built)  # both pipelines, as `make repro`
-            run_checked("dvc", "repro", "pipelines/lm/dvc.yaml", cwd=built)
-            commit_all(built, "results")
-            (shared / "dvc_repo.done").touch()
+
+    def build(built: Path) -> None:
+        built.mkdir()
+        copy_checkout(built)
+        run_checked("dvc", "repro", cwd=built)  # both pipelines, as `make repro`
+        run_checked("dvc", "repro", "pipelines/lm/dvc.yaml", cwd=built)
+        commit_all(built, "results")
+
+    built = built_once(tmp_path_factory.getbasetemp(), worker_id, "dvc_repo", build)
     return Path(shutil.copytree(built, tmp_path_factory.mktemp("repo") / "r", symlinks=True))
 
 

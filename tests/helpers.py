@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import os
 import random
@@ -12,12 +13,31 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def built_once(basetemp: Path, worker_id: str, name: str, build: Callable[[Path], None]) -> Path:
+    """``basetemp``'s run-wide folder ``name``, made by ``build`` once per pytest run.
+
+    The first xdist worker to ask builds it in the run's shared temp folder
+    (the parent of a worker's own) under a file lock; the others wait and get
+    the same folder. ``build`` gets an absent path to create.
+    """
+    shared = basetemp if worker_id == "master" else basetemp.parent
+    built = shared / name
+    with (shared / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (shared / f"{name}.done").exists():
+            shutil.rmtree(built, ignore_errors=True)
+            build(built)
+            (shared / f"{name}.done").touch()
+    return built
 
 
 def cli_env(**extra: str) -> dict[str, str]:

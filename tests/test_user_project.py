@@ -24,7 +24,6 @@ in its own copy of it (:func:`project`) and has a negative control:
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -39,6 +38,7 @@ from reprotrain.resume import sidecar
 from tests.helpers import (
     ROOT,
     RUN_OUTPUTS,
+    built_once,
     cli_env,
     commit_all,
     run_checked,
@@ -79,31 +79,24 @@ INTERRUPT_CHECKPOINT = f"epoch=1-step={SIGTERM_STEP + 1}.ckpt"
 def wine_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     """The example in a fresh git repository after `dvc repro`, committed. Do not modify.
 
-    Built once per pytest run, as conftest's ``dvc_repo``: the first xdist worker
-    to ask builds it in the run's shared temp folder under a lock.
+    Built once per pytest run (``built_once``), as conftest's ``dvc_repo``.
     """
-    shared = tmp_path_factory.getbasetemp()
-    if worker_id != "master":
-        shared = shared.parent
-    built = shared / "wine_repo"
-    with (shared / "wine_repo.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not (shared / "wine_repo.done").exists():
-            shutil.rmtree(built, ignore_errors=True)
-            listed = run_checked(
-                "git", "ls-files", "-z", "-co", "--exclude-standard", EXAMPLE, cwd=ROOT
-            )
-            for name in filter(None, listed.split("\0")):
-                target = built / Path(name).relative_to(EXAMPLE.relative_to(ROOT))
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(ROOT / name, target)
-            run_checked("git", "init", "-q", cwd=built)
-            run_checked("dvc", "init", "-q", cwd=built)
-            out = run_checked("dvc", "repro", cwd=built, **LOCK)
-            assert "checked wine.model.WineMLP and wine.data.WineData" in out, out
-            commit_all(built, "the wine example and its reference run")
-            (shared / "wine_repo.done").touch()
-    return built
+
+    def build(built: Path) -> None:
+        listed = run_checked(
+            "git", "ls-files", "-z", "-co", "--exclude-standard", EXAMPLE, cwd=ROOT
+        )
+        for name in filter(None, listed.split("\0")):
+            target = built / Path(name).relative_to(EXAMPLE.relative_to(ROOT))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, target)
+        run_checked("git", "init", "-q", cwd=built)
+        run_checked("dvc", "init", "-q", cwd=built)
+        out = run_checked("dvc", "repro", cwd=built, **LOCK)
+        assert "checked wine.model.WineMLP and wine.data.WineData" in out, out
+        commit_all(built, "the wine example and its reference run")
+
+    return built_once(tmp_path_factory.getbasetemp(), worker_id, "wine_repo", build)
 
 
 @pytest.fixture
