@@ -30,6 +30,7 @@ from pathlib import Path
 
 import lightning as L
 
+from _workloads import WORKLOADS
 from reprotrain.determinism import configure_determinism
 from reprotrain.distributed.ddp import set_threads_per_rank, this_rank
 from reprotrain.hashing import canonical_json
@@ -44,9 +45,6 @@ from reprotrain.pipeline.training import fit
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.helpers import cli_env  # noqa: E402
-
-#: The recipes a benchmark trains, by ``--workload`` name.
-WORKLOADS = {"lm": ROOT / "pipelines" / "lm" / "params.yaml", "digits": ROOT / "params.yaml"}
 
 
 def add_workload_argument(parser: argparse.ArgumentParser) -> None:

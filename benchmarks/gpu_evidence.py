@@ -54,7 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _workspace import WORKLOADS
+from _workloads import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = "reprotrain.gpu_evidence/1"
