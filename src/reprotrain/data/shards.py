@@ -43,7 +43,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,25 +101,31 @@ def check_shards(folder: str | Path, hashes: bool = False) -> dict[str, Any]:
     samples than a shard holds); with it, every byte is hashed as well (an altered
     shard of the right size).
     """
-    folder = Path(folder)
-    index = read_index(folder)
+    return _checked(Path(folder), hashes)[0]
+
+
+def _checked(folder: Path, hashes: bool) -> tuple[dict[str, Any], dict[str, int]]:
+    """:func:`check_shards`'s index, and each shard file's header size (where its rows start)."""
+    index, headers = read_index(folder), {}
     for split, entry in index["splits"].items():
         counted = 0
         for shard in entry["shards"]:
             counted += shard["samples"]
             for field, spec in entry["fields"].items():
-                _check_file(folder, shard["files"][field], shard["samples"], spec, hashes)
+                file = shard["files"][field]
+                headers[file["name"]] = _check_file(folder, file, shard["samples"], spec, hashes)
         if counted != entry["samples"]:
             raise ShardError(
                 f"{folder / INDEX}: split {split!r} names {entry['samples']} samples but its "
                 f"shards hold {counted}; rewrite the folder"
             )
-    return index
+    return index, headers
 
 
 def _check_file(
     folder: Path, file: Mapping[str, Any], samples: int, spec: Mapping[str, Any], hashes: bool
-) -> None:
+) -> int:
+    """The file's header size, once it matches its index entry; else a ShardError."""
     path = folder / file["name"]
     if not path.is_file():
         raise ShardError(f"{path}: shard missing (named in {INDEX}); restore it (dvc checkout)")
@@ -143,6 +149,7 @@ def _check_file(
         )
     if hashes and _sha256(path) != file["sha256"]:
         raise ShardError(f"{path}: sha256 differs from {INDEX}'s (altered); restore it")
+    return header
 
 
 def _rows(shape: tuple[int, ...] | list[int]) -> int:
@@ -157,6 +164,21 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+class _HashingWriter:
+    """A binary file's ``write`` that also counts and hashes the bytes (no reading back)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle, self.size, self._digest = handle, 0, hashlib.sha256()
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._digest.update(data)
+        self.size += len(memoryview(data).cast("B"))
+        return self.handle.write(data)
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
 class ShardedDataset(Dataset):
     """One split of a shard folder as a map-style dataset (module doc).
 
@@ -167,7 +189,7 @@ class ShardedDataset(Dataset):
 
     def __init__(self, folder: str | Path, split: str) -> None:
         self.folder = Path(folder)
-        index = check_shards(self.folder)
+        index, headers = _checked(self.folder, hashes=False)
         if split not in index["splits"]:
             raise ShardError(
                 f"{self.folder / INDEX}: no split {split!r} (it has {sorted(index['splits'])})"
@@ -178,9 +200,7 @@ class ShardedDataset(Dataset):
             (np.dtype(spec["dtype"]), tuple(spec["shape"])) for spec in entry["fields"].values()
         ]
         self._files = [[s["files"][f]["name"] for f in self.fields] for s in entry["shards"]]
-        self._headers = [
-            [_npy_layout(self.folder / name)[0] for name in names] for names in self._files
-        ]
+        self._headers = [[headers[name] for name in names] for names in self._files]
         self._widths = [dtype.itemsize * _rows(shape) for dtype, shape in self._specs]
         counts = [s["samples"] for s in entry["shards"]]
         self._starts = np.cumsum([0, *counts]).tolist()
@@ -310,11 +330,14 @@ class ShardWriter:
         for field, chunks in pending.items():
             joined = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
             name = shard_name(split, len(entry["shards"]), field)
-            np.save(self._work / name, joined[:count], allow_pickle=False)
-            path = self._work / name
+            with (self._work / name).open("wb") as handle:
+                hashed = _HashingWriter(handle)
+                np.lib.format.write_array(hashed, joined[:count], allow_pickle=False)
             shard["files"][field] = {
-                "name": name, "bytes": path.stat().st_size, "sha256": _sha256(path)
-            }  # fmt: skip
+                "name": name,
+                "bytes": hashed.size,
+                "sha256": hashed.hexdigest(),
+            }
             pending[field] = [joined[count:]] if len(joined) > count else []
         entry["shards"].append(shard)
         entry["samples"] += count
@@ -367,10 +390,3 @@ def write_shards(
     except BaseException:
         writer.abort()
         raise
-
-
-def iter_files(index: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
-    """Every shard file the index names (name, bytes, sha256)."""
-    for entry in index["splits"].values():
-        for shard in entry["shards"]:
-            yield from shard["files"].values()
