@@ -90,6 +90,11 @@ def test_unreadable_files_are_named_with_the_readers_error(tmp_path: Path) -> No
     verdict = compare_files("w.safetensors", a / "w.safetensors", b / "w.safetensors", (a, b))
     assert (verdict.kind, verdict.status) == ("safetensors", "unreadable")
     assert str(b / "w.safetensors") in verdict.detail
+    # Bytes that are no pickle: the weights-only unpickler pops an empty stack (IndexError);
+    # random bytes in verify's test hit it now and then and ended verify with a traceback.
+    (b / "last.ckpt").write_bytes(b".")
+    verdict = compare_files("last.ckpt", good, b / "last.ckpt", (a, b))
+    assert verdict.status == "unreadable" and "not a torch file (IndexError" in verdict.detail
 
 
 def test_a_checkpoint_holding_a_class_is_refused_not_unpickled(tmp_path: Path) -> None:

@@ -224,7 +224,12 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]
 def _read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
     import torch
 
-    loaded = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except _TORCH_READ_ERRORS:
+        raise
+    except Exception as err:  # bytes that are no pickle fail the unpickler in any way
+        raise ValueError(f"not a torch file ({type(err).__name__}: {err})") from err
     tensors: dict[str, Any] = {}
     fields: dict[str, Any] = {}
     _flatten(loaded, "", tensors, fields, torch.Tensor)
