@@ -1,8 +1,11 @@
 """A user's 38-step Lightning fit whose only fault can come after the trace's last weights row.
 
-``--plant`` adds ``pid * 1e-7`` to one gradient at step 37 only
-(``on_after_backward``; the pid itself: two runs' pids can differ by a
-multiple of any small modulus, each run starting as many threads):
+``--plant`` adds a number between 1 and 2 drawn from the pid to one
+gradient at step 37 only (``on_after_backward``; seeded by the pid itself,
+not a residue: two runs' pids can differ by a multiple of any small modulus,
+each run starting as many threads; and not proportional to it: ``pid * 1e-7``
+moved that weight by less than its last bit when two pids lay close, so the
+weights of two runs were equal about half the time after Adam's update):
 the trace samples weights every 32nd
 step (0 and 32), and no later loss sees that last update, so only the final
 state shows it. The model has a BatchNorm (buffers) and trains with Adam
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 from pathlib import Path
 
 import lightning as L
@@ -47,7 +51,7 @@ class Net(L.LightningModule):
     def on_after_backward(self) -> None:
         if self.plant and self.trainer.global_step == PLANT_STEP:
             with torch.no_grad():
-                self.body[3].weight.grad[0, 0] += os.getpid() * 1e-7  # FAULT late
+                self.body[3].weight.grad[0, 0] += random.Random(os.getpid()).uniform(1, 2)  # FAULT
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-2)
