@@ -138,7 +138,8 @@ class RandomStateCallback(L.Callback):
 
     ``generators`` are extra ``torch.Generator`` objects by name (for example
     the training DataLoader's). ``run_id`` is stored in each checkpoint so a
-    resume can refuse another run's file. ``restore=False`` saves but does not
+    resume can refuse another run's file, and so are the ``stamp`` entries (more
+    facts about the run, top-level keys). ``restore=False`` saves but does not
     restore: the negative control that shows the restore matters.
     """
 
@@ -147,10 +148,12 @@ class RandomStateCallback(L.Callback):
         generators: Mapping[str, torch.Generator] | None = None,
         run_id: str | None = None,
         restore: bool = True,
+        stamp: Mapping[str, Any] | None = None,
     ) -> None:
         self.generators = dict(generators or {})
         self.run_id = run_id
         self.restore = restore
+        self.stamp = dict(stamp or {})
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's random state, in rank order (a collective under DDP)."""
@@ -196,6 +199,7 @@ class RandomStateCallback(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         checkpoint[RUN_ID_KEY] = self.run_id
+        checkpoint.update(self.stamp)
 
 
 class InterruptCheckpoint(Checkpoint):

@@ -166,7 +166,15 @@ class MicroBatchSampler(Sampler[list[tuple[int, tuple[int, int]]]]):
     that draws at random per sample seeds :func:`sample_rng` with ``key``
     (the epoch key and the sample's position in the epoch's order). The last
     partial global batch is dropped.
+
+    Setting :attr:`skip` makes the next epoch start at that many micro-batches of
+    this rank in, without reading them: the order and key are drawn as ever, and
+    no draw happened in the skipped samples that a later one depends on, so a
+    resumed epoch goes on with the same micro-batches with any number of workers.
     """
+
+    #: This rank's micro-batches to leave out at the start of the next epoch (then 0).
+    skip: int = 0
 
     def __init__(
         self,
@@ -192,11 +200,14 @@ class MicroBatchSampler(Sampler[list[tuple[int, tuple[int, int]]]]):
     def __iter__(self) -> Iterator[list[tuple[int, tuple[int, int]]]]:
         order = torch.randperm(self.size, generator=self.generator).tolist()
         epoch_key = int(torch.randint(2**62, (), generator=self.generator))
-        m = self.micro_batch_size
+        skip, self.skip = self.skip, 0
+        m, n = self.micro_batch_size, 0
         for start in range(0, self.size - self.batch_size + 1, self.batch_size):
             for j in range(self.rank * self.per_rank, (self.rank + 1) * self.per_rank):
-                first = start + j * m
-                yield [(order[p], (epoch_key, p)) for p in range(first, first + m)]
+                n += 1
+                if n > skip:
+                    first = start + j * m
+                    yield [(order[p], (epoch_key, p)) for p in range(first, first + m)]
 
 
 def _tree_reduce_hook(strategy, bucket):  # type: ignore[no-untyped-def]

@@ -4,11 +4,20 @@ DVC records an md5 for every stage output in ``dvc.lock`` and for every
 ``dvc add``-ed file in its ``.dvc`` file. For files DVC 3 hashes the raw
 bytes (``hash: md5``), so :func:`md5_file` reproduces its value and
 :func:`verify_dvc_checksum` can refuse data that changed behind DVC's back.
+
+For a folder (a shard folder, docs/data.md) DVC records ``<md5>.dir``: the md5
+of its listing, the JSON list of ``{"md5": <file's md5>, "relpath": <posix
+path>}`` sorted by path (dvc-data's ``Tree.as_bytes``), which :func:`md5_dir`
+reproduces. The listing itself is in DVC's cache (``.dvc/cache/files/md5/``),
+so a folder that differs is refused naming the file that differs, when the
+cache holds it (:func:`dvc_dir_listing`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from pathlib import Path
 
 import yaml
@@ -27,6 +36,49 @@ def md5_file(path: str | Path) -> str:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def dir_listing(path: str | Path) -> dict[str, str]:
+    """``{relative posix path: md5}`` of every file under the folder ``path``."""
+    root = Path(path)
+    listing = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            file = Path(folder) / name
+            listing[file.relative_to(root).as_posix()] = md5_file(file)
+    return listing
+
+
+def listing_md5(listing: dict[str, str]) -> str:
+    """DVC's ``<md5>.dir`` value of a folder with this listing (module doc)."""
+    entries = [{"md5": md5, "relpath": relpath} for relpath, md5 in sorted(listing.items())]
+    text = json.dumps(entries, sort_keys=True).encode("utf-8")
+    return hashlib.md5(text, usedforsecurity=False).hexdigest() + ".dir"
+
+
+def md5_dir(path: str | Path) -> str:
+    """DVC's ``<md5>.dir`` checksum of the folder ``path`` (every file's bytes and path)."""
+    return listing_md5(dir_listing(path))
+
+
+def dvc_dir_listing(recorded: str, dvc_lock: str | Path) -> dict[str, str] | None:
+    """The listing DVC cached for the folder checksum ``recorded`` (``{relpath: md5}``).
+
+    Looked up in the default cache of the repository holding ``dvc_lock``
+    (DVC 3's ``.dvc/cache/files/md5/``); None when it is not there.
+    """
+    digest = recorded.removesuffix(".dir")
+    for parent in Path(dvc_lock).resolve().parents:
+        cached = parent / ".dvc" / "cache" / "files" / "md5" / digest[:2] / f"{digest[2:]}.dir"
+        if cached.is_file():
+            try:
+                entries = json.loads(cached.read_text(encoding="utf-8"))
+                return {entry["relpath"]: entry["md5"] for entry in entries}
+            except (OSError, ValueError, KeyError, TypeError):
+                return None
+        if (parent / ".dvc").is_dir():
+            return None
+    return None
 
 
 def dvc_recorded_md5(path: str | Path, dvc_lock: str | Path) -> str | None:
@@ -71,7 +123,13 @@ def dvc_lists_dependency(path: str | Path, dvc_lock: str | Path) -> bool:
 
 
 def verify_dvc_checksum(path: str | Path, dvc_lock: str | Path) -> tuple[str, str | None]:
-    """``(actual md5, recorded md5 or None)``; raises :class:`ChecksumError` on a mismatch."""
+    """``(actual md5, recorded md5 or None)``; raises :class:`ChecksumError` on a mismatch.
+
+    ``path`` may be a folder: its message then names the first file that differs from
+    DVC's cached listing, when the cache has it.
+    """
+    if Path(path).is_dir():
+        return _verify_dir(Path(path), dvc_lock)
     actual = md5_file(path)
     recorded = dvc_recorded_md5(path, dvc_lock)
     if recorded is not None and recorded != actual:
@@ -80,3 +138,24 @@ def verify_dvc_checksum(path: str | Path, dvc_lock: str | Path) -> tuple[str, st
             "changed outside the pipeline: restore it with `dvc checkout` or rerun `dvc repro`"
         )
     return actual, recorded
+
+
+def _verify_dir(path: Path, dvc_lock: str | Path) -> tuple[str, str | None]:
+    listing = dir_listing(path)
+    actual, recorded = listing_md5(listing), dvc_recorded_md5(path, dvc_lock)
+    if recorded is None or recorded == actual:
+        return actual, recorded
+    cached = dvc_dir_listing(recorded, dvc_lock) or {}
+    changed = sorted(n for n in set(listing) | set(cached) if listing.get(n) != cached.get(n))
+    if not cached or not changed:
+        where = "(DVC's cache has no listing of it to say which file)"
+    else:
+        state = {n: "missing" if n not in listing else "added" if n not in cached else "altered"
+                 for n in changed[:3]}  # fmt: skip
+        states = [f"{path / name} ({what})" for name, what in state.items()]
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        where = f"changed: {', '.join(states)}{more}"
+    raise ChecksumError(
+        f"{path}: folder md5 {actual} does not match {recorded} recorded by DVC, {where}; "
+        "it changed outside the pipeline: restore it with `dvc checkout` or rerun `dvc repro`"
+    )
