@@ -16,6 +16,7 @@ import psutil
 import pytest
 import torch
 import yaml
+from torch.utils.data import TensorDataset
 
 from reprotrain.cpuprofile import CpuProfile
 from reprotrain.determinism import configure_determinism
@@ -318,7 +319,7 @@ def _augmented_loader(generator: torch.Generator, consumed: list[int]) -> Resuma
     """Shuffled, shift-augmented digits-like images drawn in two seeded worker processes."""
     x = torch.arange(40 * 16, dtype=torch.float32).reshape(40, 1, 4, 4)
     return ResumableLoader(
-        ShiftedImages(x, torch.arange(40) % 3, augment=True),
+        ShiftedImages(TensorDataset(x, torch.arange(40) % 3), augment=True),
         consumed=lambda: consumed[0],
         batch_size=4,
         shuffle=True,

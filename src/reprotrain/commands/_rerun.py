@@ -66,12 +66,12 @@ def rerun_workspace(dvc_yaml: Path, folder: Path | None, command: str) -> Iterat
 
 
 def ensure_prepared(data: Path, command: str) -> None:
-    """Run ``dvc repro prepare`` if a data file of the train stage is missing."""
-    if data.is_file():
+    """Run ``dvc repro prepare`` if a data file (or folder) of the train stage is missing."""
+    if data.exists():
         return
     print(f"reprotrain {command}: {data} missing; running `dvc repro prepare`", file=sys.stderr)
     done = subprocess.run(["dvc", "repro", "prepare"], check=False)
-    if done.returncode != 0 or not data.is_file():
+    if done.returncode != 0 or not data.exists():
         raise DataError(f"{data}: `dvc repro prepare` did not produce it; fix that stage first")
 
 

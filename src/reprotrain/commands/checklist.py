@@ -30,7 +30,7 @@ from reprotrain.commands._git import git_show, tracked_dvc_files
 from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.stages.env import whole_environment
-from reprotrain.provenance.dvcchecksum import md5_file
+from reprotrain.provenance.dvcchecksum import md5_dir, md5_file
 from reprotrain.provenance.envdiff import compare_environments
 from reprotrain.provenance.environment import HOST_KEY, bit_deciding, git_state
 
@@ -150,11 +150,11 @@ def _data_item(dvc_lock: Path) -> Item:
     bad, missing = [], []
     for out in records:
         path = root / out["path"]
-        if str(out.get("md5", "")).endswith(".dir") or "md5" not in out:
+        if "md5" not in out:
             continue
-        if not path.is_file():
+        if not path.exists():
             missing.append(out["path"])
-        elif md5_file(path) != out["md5"]:
+        elif (md5_dir(path) if path.is_dir() else md5_file(path)) != out["md5"]:
             bad.append(out["path"])
     if bad:
         return Item("data", "checksums match dvc.lock", "fail", f"changed: {', '.join(bad)}")

@@ -89,27 +89,21 @@ def check_recipe(params: Params, recipe: Recipe) -> None:
 def check_data_files(recipe: Recipe, data: list[Path]) -> None:
     """Refuse a file the data module names that the run ID would not cover.
 
-    Any top-level ``data.init_args`` string that names an existing file is
-    data the module reads; it must be one of the train stage's ``--data``
-    files, which are checked against ``dvc.lock`` and hashed into the run ID.
-    Otherwise a changed file would train other bits under the same run ID. (A
-    folder is not yet taken: ``--data`` hashes files.)
+    Any top-level ``data.init_args`` string that names an existing file or folder
+    (a shard folder, docs/data.md) is data the module reads; it must be one of the
+    train stage's ``--data`` paths, which are checked against ``dvc.lock`` and
+    hashed into the run ID. Otherwise a changed file would train other bits under
+    the same run ID.
     """
     listed = [path.resolve() for path in data]
     for name, value in recipe.data.init_args.items():
         if not isinstance(value, str) or not value or not Path(value).exists():
             continue
-        target = Path(value).resolve()
-        if target.is_dir():
-            raise ConfigError(
-                f"data.init_args.{name}: {value} is a folder; the train stage hashes data "
-                "files (--data FILE, repeated), not folders yet: name the files, or pack "
-                "them into one"
-            )
-        if target not in listed:
+        if Path(value).resolve() not in listed:
+            kind = "folder" if Path(value).is_dir() else "file"
             raise ConfigError(
                 f"data.init_args.{name}: {value} is read by {recipe.data.class_path} but is not "
-                "a --data file of the train stage, so the run ID would not cover it; add "
+                f"a --data {kind} of the train stage, so the run ID would not cover it; add "
                 f"`--data {value}` to the train stage's cmd in dvc.yaml (and {value} to its deps)"
             )
 

@@ -31,7 +31,11 @@ from reprotrain.determinism import DeterminismSettings
 from reprotrain.hashing import canonical_json, sha256_file
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.errors import DataError
-from reprotrain.provenance.dvcchecksum import dvc_lists_dependency, verify_dvc_checksum
+from reprotrain.provenance.dvcchecksum import (
+    dvc_lists_dependency,
+    md5_dir,
+    verify_dvc_checksum,
+)
 from reprotrain.provenance.environment import (
     HOST_FILE,
     HOST_KEY,
@@ -98,7 +102,7 @@ def run_inputs(
         # model and data as resolved (defaults filled in, values typed), not as written:
         # `lr: 1e-3` and `lr: 0.001`, or a default left out and spelt out, are one run.
         "params": params.select(k for k in param_keys if k not in ("model", "data")),
-        "recipe": recipe.record(),
+        "recipe": recipe_record(recipe, params),
         "data_md5": {path.as_posix(): data_checksum(path, dvc_lock) for path in data},
         "lock_sha256": (environment.get("lock") or {}).get("sha256"),
         "code_sha256": code_hash(stage_files, package),
@@ -110,19 +114,52 @@ def run_inputs(
     }
 
 
+def recipe_record(recipe: Recipe, params: Params) -> dict[str, Any]:
+    """The recipe as the run ID sees it.
+
+    Under ``train.world_size_invariant`` every random draw of the data is keyed by
+    the sample (:class:`~reprotrain.distributed.worldsize.MicroBatchSampler`), so the
+    data module's ``num_workers`` cannot change the bits: it is left out, and a run
+    resumes with another worker count. Otherwise each worker draws from its own
+    seeded stream and the count stays in.
+    """
+    record = recipe.record()
+    if params.train.world_size_invariant:
+        data = record["data"]["init_args"]
+        record["data"]["init_args"] = {k: v for k, v in data.items() if k != "num_workers"}
+    return record
+
+
 def data_checksum(path: Path, dvc_lock: Path | None) -> str:
     """``path``'s md5 as DVC recorded it (checked; refused when it differs), else its sha256.
 
     A file that is only a stage's dependency (a user's data in git) is hashed and not
     held to ``dvc.lock``: its md5 there is from the previous run, and a change to it is
-    why DVC reruns the stage.
+    why DVC reruns the stage. A folder is hashed as DVC hashes one (``<md5>.dir``); a
+    shard folder (docs/data.md) is first checked against its own index, every byte, so
+    a missing, truncated or altered shard is named before anything trains.
     """
-    if not path.is_file():
+    if path.is_dir():
+        check_shard_folder(path)
+    elif not path.is_file():
         raise DataError(f"{path}: data file not found; run `dvc repro` (or fix --data)")
     md5, recorded = verify_dvc_checksum(path, dvc_lock) if dvc_lock else (None, None)
     if dvc_lock and recorded is None and not dvc_lists_dependency(path, dvc_lock):
         print(f"reprotrain: warning: {dvc_lock} has no checksum for {path}", file=sys.stderr)
-    return md5 if md5 is not None else sha256_file(path)
+    if md5 is not None:
+        return md5
+    return md5_dir(path) if path.is_dir() else sha256_file(path)
+
+
+def check_shard_folder(path: Path) -> None:
+    """A folder with a shard index must match it, every byte; a DataError names the shard."""
+    from reprotrain.data.shards import INDEX, ShardError, check_shards
+
+    if (path / INDEX).is_file():
+        try:
+            check_shards(path, hashes=True)
+        except ShardError as err:
+            raise DataError(str(err)) from None
 
 
 def write_run_record(path: Path, inputs: Mapping[str, Any], outputs: Mapping[str, Path]) -> str:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -54,6 +55,7 @@ from reprotrain.pipeline.data import PipelineLoaders
 from reprotrain.pipeline.errors import Interrupted
 from reprotrain.pipeline.preflight import check_accelerator
 from reprotrain.pipeline.recipe import Recipe, build
+from reprotrain.provenance.identity import run_id
 from reprotrain.resume import (
     CheckpointError,
     InterruptCheckpoint,
@@ -67,6 +69,8 @@ from reprotrain.resume import (
 RECORD_OPS_VARIABLE = "REPROTRAIN_RECORD_OPS"
 #: Loaded by name only when asked for, so no import statement puts it in the code hash.
 RECORDER_MODULE = "reprotrain.ops.recorder"
+#: The checkpoint entry with the worker count where it decides the bits (workers_stamp).
+WORKERS_KEY = "reprotrain_workers"
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,10 @@ class Checkpointing:
     #: The random state rides along; False only for the negative control (resume then
     #: differs) and the overhead benchmark.
     random_state: bool = True
+    #: The worker count and the ID of the run without it (:func:`workers_stamp`), where
+    #: the count decides the bits: a checkpoint carries it, so a rerun with another count
+    #: is refused by name (:func:`refuse_another_worker_count`) rather than started over.
+    workers: dict[str, Any] | None = None
 
 
 def find_resume_point(run_dir: Path, identity: str) -> Path | None:
@@ -99,6 +107,45 @@ def find_resume_point(run_dir: Path, identity: str) -> Path | None:
             "delete it to start over"
         )
     return newest
+
+
+def workers_stamp(inputs: dict[str, Any]) -> dict[str, Any] | None:
+    """``{"key": run ID without num_workers, "num_workers": n}``; None if the run ID has no
+    worker count (``train.world_size_invariant``: draws are keyed per sample)."""
+    data = inputs["recipe"]["data"]["init_args"]
+    if "num_workers" not in data:
+        return None
+    rest = {k: v for k, v in data.items() if k != "num_workers"}
+    recipe = {**inputs["recipe"], "data": {**inputs["recipe"]["data"], "init_args": rest}}
+    return {"key": run_id({**inputs, "recipe": recipe}), "num_workers": data["num_workers"]}
+
+
+def refuse_another_worker_count(checkpoints: Path, identity: str, workers: Any) -> None:
+    """Refuse to start over when an interrupted run of the same inputs but another worker
+    count left checkpoints: outside world-size-invariant mode each worker draws from its
+    own seeded stream, so that run cannot resume with this count (docs/data.md)."""
+    if not workers or not checkpoints.is_dir():
+        return
+    for run_dir in sorted(p for p in checkpoints.iterdir() if p.is_dir() and p.name != identity):
+        newest, stamp = _workers_stamp_of(run_dir)
+        if stamp and stamp.get("key") == workers["key"]:
+            raise CheckpointError(
+                f"{newest}: an interrupted run of these inputs with data.init_args.num_workers "
+                f"{stamp.get('num_workers')}, this run has {workers['num_workers']}; each worker "
+                "draws from its own stream, so it cannot resume with another count "
+                "(train.world_size_invariant can): set num_workers back to resume it, or delete "
+                "it to start over"
+            )
+
+
+def _workers_stamp_of(run_dir: Path) -> tuple[Path | None, dict[str, Any] | None]:
+    """The newest verified checkpoint in ``run_dir`` and its workers stamp (or Nones)."""
+    with contextlib.suppress(CheckpointError, OSError):
+        newest = latest_checkpoint(run_dir)
+        if newest is not None:
+            stamp = torch.load(newest, map_location="cpu", weights_only=True).get(WORKERS_KEY)
+            return newest, stamp if isinstance(stamp, dict) else None
+    return None, None
 
 
 @dataclass
@@ -227,7 +274,12 @@ def _checkpoint_callbacks(
     generators = {"train_loader": datamodule.train_generator}
     random_state = checkpointing.random_state
     return [
-        RandomStateCallback(generators, run_id=checkpointing.run_id, restore=random_state),
+        RandomStateCallback(
+            generators,
+            run_id=checkpointing.run_id,
+            restore=random_state,
+            stamp={WORKERS_KEY: checkpointing.workers} if checkpointing.workers else None,
+        ),
         CurveCheckpoint(logger),
         ModelCheckpoint(
             dirpath=checkpointing.directory,
@@ -314,17 +366,17 @@ def write_outputs(
     """
     state = fitted.module.state_dict()
     weights = {name: t.detach().cpu().contiguous() for name, t in state.items()}
+    recorded = resolved_params(params, recipe, fitted.linked)
     if params.train.world_size_invariant:
-        # The layout did not decide these weights: record it as one process, so the file is
-        # the same at any world size (run.json's inputs name the mode).
-        one = dataclasses.replace(params.train, devices=1, num_nodes=1, strategy="single_device")
-        params = dataclasses.replace(params, train=one)
-    metadata = safetensors_metadata(
-        {
-            "params": resolved_params(params, recipe, fitted.linked),
-            "determinism": settings.as_dict(),
-        }
-    )
+        # The layout and the worker count did not decide these weights: record one process
+        # without workers, so the file is the same at any world size and worker count
+        # (run.json's inputs name the mode).
+        one = {"devices": 1, "num_nodes": 1, "strategy": "single_device"}
+        recorded["train"] = {**recorded["train"], **one}
+        data = recorded["data"]
+        if "num_workers" in data["init_args"]:
+            recorded["data"] = {**data, "init_args": {**data["init_args"], "num_workers": 0}}
+    metadata = safetensors_metadata({"params": recorded, "determinism": settings.as_dict()})
     logger = fitted.logger
     train_loss = logger.rows("train_loss")
     validation = [name for name in logger.names() if name.startswith("val_")]

@@ -11,8 +11,8 @@ the torch random stream every step, so a seeding or resume mistake shows up
 in the weights. Its input shape and class count come from the data
 (``DigitsData.model_links``).
 
-:class:`DigitsData` reads the prepared tensor file the ``prepare`` stage
-writes (:mod:`reprotrain.pipeline.data`) and gives its splits as datasets;
+:class:`DigitsData` reads what the ``prepare`` stage writes, a tensor file
+or a shard folder (:mod:`reprotrain.pipeline.data`), and gives its splits as datasets;
 the pipeline builds the loaders. The training images are shifted by up to
 one pixel: with the sampler's per-sample key (world-size-invariant mode)
 the shift is drawn from that key (:func:`~reprotrain.distributed.worldsize.sample_integers`),
@@ -114,29 +114,44 @@ class Classifier(L.LightningModule):
 
 
 class ShiftedImages(Dataset):
-    """Images with labels; optionally shifted by up to one pixel in each direction."""
+    """A dataset of ``(image, label)`` pairs; the images optionally shifted by up to one pixel."""
 
     #: Items may be ``(index, key)``: the shift is then drawn from the key (see module doc).
     accepts_sample_keys = True
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, augment: bool) -> None:
-        self.x, self.y, self.augment = x, y, augment
+    def __init__(self, pairs: Dataset, augment: bool) -> None:
+        """``pairs``: in memory or read from shards (:mod:`reprotrain.pipeline.data`)."""
+        self.pairs, self.augment = pairs, augment
 
     def __len__(self) -> int:
-        return len(self.y)
+        return len(self.pairs)  # type: ignore[arg-type]
 
     def __getitem__(
         self, item: int | tuple[int, tuple[int, int]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        index, key = item if isinstance(item, tuple) else (item, None)
-        image = self.x[index]
+        return self.__getitems__([item])[0]
+
+    def __getitems__(
+        self, items: list[int | tuple[int, tuple[int, int]]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A batch: read together (one call for shards), then shifted sample by sample."""
+        keyed = [item if isinstance(item, tuple) else (item, None) for item in items]
+        indices = [index for index, _ in keyed]
+        read = getattr(self.pairs, "__getitems__", None)
+        pairs = read(indices) if read else [self.pairs[i] for i in indices]
+        return [self._augmented(pair, key) for pair, (_, key) in zip(pairs, keyed, strict=True)]
+
+    def _augmented(
+        self, pair: tuple[torch.Tensor, torch.Tensor], key: tuple[int, int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        image, label = pair
         if self.augment:
             if key is None:  # the worker's generator, seeded per worker (and rank)
                 dy, dx = np.random.randint(-1, 2, size=2)
             else:  # the sample's own: the same in any worker, on any rank
                 dy, dx = sample_integers(key, -1, 2, size=2)
             image = _shift(image, int(dy), int(dx))
-        return image, self.y[index]
+        return image, label
 
 
 def _shift(image: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
@@ -149,7 +164,8 @@ def _shift(image: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
 
 
 class DigitsData(L.LightningDataModule):
-    """The prepared tensor file's splits (``prepare`` stage) as datasets."""
+    """The prepared data's splits (``prepare`` stage) as datasets: a tensor file held in
+    memory, or a shard folder read from disk a batch at a time (docs/data.md)."""
 
     #: Set by :meth:`setup`, passed to the model's arguments of the same names.
     model_links = ("input_shape", "num_classes")
@@ -161,8 +177,8 @@ class DigitsData(L.LightningDataModule):
         num_workers: NonNegativeInt = 2,
         augment: bool = True,
     ) -> None:
-        """``path``: the prepared file; ``num_workers``: DataLoader worker processes (each
-        seeded); ``augment``: random one-pixel shifts of training images."""
+        """``path``: the prepared file or shard folder; ``num_workers``: DataLoader worker
+        processes (each seeded); ``augment``: random one-pixel shifts of training images."""
         super().__init__()
         self.path, self.batch_size, self.num_workers = path, batch_size, num_workers
         self.augment = augment
@@ -173,10 +189,10 @@ class DigitsData(L.LightningDataModule):
         self.num_classes = self.prepared.num_classes
 
     def train_dataset(self) -> ShiftedImages:
-        return ShiftedImages(*self.prepared.split("train"), augment=self.augment)
+        return ShiftedImages(self.prepared.dataset("train"), augment=self.augment)
 
     def val_dataset(self) -> ShiftedImages:
-        return ShiftedImages(*self.prepared.split("val"), augment=False)
+        return ShiftedImages(self.prepared.dataset("val"), augment=False)
 
     def test_dataset(self) -> ShiftedImages:
-        return ShiftedImages(*self.prepared.split("test"), augment=False)
+        return ShiftedImages(self.prepared.dataset("test"), augment=False)

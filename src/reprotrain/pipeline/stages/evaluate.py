@@ -56,7 +56,7 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
 
     if args.dvc_lock:
         for path in (*args.data, args.model):
-            if not path.is_file():
+            if not path.exists():
                 raise DataError(f"{path}: not found; run `dvc repro`")
             verify_dvc_checksum(path, args.dvc_lock)
     module, trained = load_module(args.model)

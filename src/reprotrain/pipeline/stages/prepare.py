@@ -1,10 +1,12 @@
-"""Stage ``prepare``: raw data -> one prepared, split safetensors file.
+"""Stage ``prepare``: raw data -> one prepared, split safetensors file (or a shard folder).
 
 The source is scikit-learn's bundled digits or a user's ``.npz`` file in the
 raw-data folder that ``dvc.yaml`` passes in (:mod:`reprotrain.pipeline.rawdata`
 says what it must hold; the env stage checked it before DVC ran this). The
 split is a seeded permutation, so the output bytes depend only on the raw
-data, ``seed`` and the two fractions.
+data, ``seed`` and the two fractions. With ``--samples-per-shard N`` the
+output is a shard folder (docs/data.md), which training reads from disk a
+batch at a time; the raw arrays are still read whole here.
 """
 
 from __future__ import annotations
@@ -28,6 +30,20 @@ PARAMS = ("seed", "prepare")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     paths = {"raw-dir": "folder of user raw data", "out": "prepared dataset file to write"}
     add_paths(parser, paths, required=True)
+    parser.add_argument(
+        "--samples-per-shard",
+        type=_positive,
+        metavar="N",
+        help="write --out as a shard folder of N samples per shard, read from disk a batch "
+        "at a time when training (docs/data.md), instead of one file",
+    )
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 COMMAND = Command(
@@ -46,7 +62,7 @@ def run(params: Params, args: argparse.Namespace) -> str:
         )
     x, y, source = load_raw(params.prepare.source, args.raw_dir)
     prepared = split(x, y, params.prepare, params.seed, source)
-    save_prepared(args.out, prepared)
+    save_prepared(args.out, prepared, args.samples_per_shard)
     sizes = ", ".join(f"{s} {len(prepared.split(s)[1])}" for s in SPLITS)
     return f"prepared {source}: {sizes} -> {args.out}"
 

@@ -7,7 +7,9 @@ configure determinism (before anything touches CUDA); refuse a drifted lock
 in ``true`` mode; check the data files
 (``--data``) against the checksums DVC recorded and compute the run ID, which
 covers the recipe's resolved arguments and code; resume from this run ID's
-newest verified checkpoint if an earlier attempt was interrupted; fit with
+newest verified checkpoint if an earlier attempt was interrupted (or refuse,
+naming it, one interrupted with another ``num_workers`` where that count
+decides the bits); fit with
 Lightning, checkpointing every ``train.checkpoint_every_n_epochs`` epochs
 with the full random state; then
 write every output atomically (weights, metrics, curves and the per-step
@@ -104,7 +106,14 @@ def run(params: Params, args: argparse.Namespace) -> str:
     from reprotrain.distributed.ddp import this_rank
     from reprotrain.pipeline.contract import check_data_files, check_recipe
     from reprotrain.pipeline.recipe import resolve_recipe
-    from reprotrain.pipeline.training import Checkpointing, find_resume_point, fit, write_outputs
+    from reprotrain.pipeline.training import (
+        Checkpointing,
+        find_resume_point,
+        fit,
+        refuse_another_worker_count,
+        workers_stamp,
+        write_outputs,
+    )
     from reprotrain.trace.callback import TraceCallback
 
     recipe = resolve_recipe(params)  # bad input first: one line, nothing written
@@ -117,8 +126,11 @@ def run(params: Params, args: argparse.Namespace) -> str:
     identity = run_id(inputs)
     run_dir = args.checkpoints / identity
     resume_from = find_resume_point(run_dir, identity)
+    workers = workers_stamp(inputs)
+    if resume_from is None:
+        refuse_another_worker_count(args.checkpoints, identity, workers)
     tracer = TraceCallback(None, detail=params.train.trace) if args.trace else None
-    checkpointing = Checkpointing(run_dir, identity, resume_from)
+    checkpointing = Checkpointing(run_dir, identity, resume_from, workers=workers)
     fitted = fit(params, recipe, settings, checkpointing, [tracer] if tracer else [])
     resumed = f", resumed from {resume_from.name}" if resume_from else ""
     if (rank := this_rank()) != 0:
