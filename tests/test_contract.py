@@ -165,9 +165,16 @@ def test_an_iterable_dataset_is_refused_before_training() -> None:
     check_datasets(Data())  # control
 
 
-def test_a_file_the_data_module_names_must_be_a_data_file_of_the_stage(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_a_file_the_data_module_names_must_be_a_data_file_of_the_stage(
+    kind: str, tmp_path: Path
+) -> None:
     data = tmp_path / "rows.csv"
-    data.write_text("1\n")
+    if kind == "folder":  # a shard folder (docs/data.md): --data takes it as a whole
+        data.mkdir()
+        (data / "index.json").write_text("{}")
+    else:
+        data.write_text("1\n")
     params = parse_params(
         params_with(
             {
@@ -178,7 +185,8 @@ def test_a_file_the_data_module_names_must_be_a_data_file_of_the_stage(tmp_path:
         )
     )  # fmt: skip
     recipe = resolve_recipe(params)
-    with pytest.raises(ConfigError, match=r"^data\.init_args\.path: .*rows\.csv is read by"):
+    message = rf"^data\.init_args\.path: .*rows\.csv is read by .* not a --data {kind} of"
+    with pytest.raises(ConfigError, match=message):
         check_data_files(recipe, [])
     check_data_files(recipe, [data])  # listed: covered by the run ID
 
