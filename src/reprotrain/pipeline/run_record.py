@@ -124,10 +124,14 @@ def recipe_record(recipe: Recipe, params: Params) -> dict[str, Any]:
     seeded stream and the count stays in.
     """
     record = recipe.record()
-    if params.train.world_size_invariant:
-        data = record["data"]["init_args"]
-        record["data"]["init_args"] = {k: v for k, v in data.items() if k != "num_workers"}
-    return record
+    return without_num_workers(record) if params.train.world_size_invariant else record
+
+
+def without_num_workers(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A recipe record (:func:`recipe_record`) with ``data.init_args.num_workers`` left out."""
+    data = record["data"]
+    rest = {k: v for k, v in data["init_args"].items() if k != "num_workers"}
+    return {**record, "data": {**data, "init_args": rest}}
 
 
 def data_checksum(path: Path, dvc_lock: Path | None) -> str:

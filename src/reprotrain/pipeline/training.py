@@ -55,6 +55,7 @@ from reprotrain.pipeline.data import PipelineLoaders
 from reprotrain.pipeline.errors import Interrupted
 from reprotrain.pipeline.preflight import check_accelerator
 from reprotrain.pipeline.recipe import Recipe, build
+from reprotrain.pipeline.run_record import without_num_workers
 from reprotrain.provenance.identity import run_id
 from reprotrain.resume import (
     CheckpointError,
@@ -115,9 +116,8 @@ def workers_stamp(inputs: dict[str, Any]) -> dict[str, Any] | None:
     data = inputs["recipe"]["data"]["init_args"]
     if "num_workers" not in data:
         return None
-    rest = {k: v for k, v in data.items() if k != "num_workers"}
-    recipe = {**inputs["recipe"], "data": {**inputs["recipe"]["data"], "init_args": rest}}
-    return {"key": run_id({**inputs, "recipe": recipe}), "num_workers": data["num_workers"]}
+    key = run_id({**inputs, "recipe": without_num_workers(inputs["recipe"])})
+    return {"key": key, "num_workers": data["num_workers"]}
 
 
 def refuse_another_worker_count(checkpoints: Path, identity: str, workers: Any) -> None:

@@ -125,8 +125,8 @@ def dvc_lists_dependency(path: str | Path, dvc_lock: str | Path) -> bool:
 def verify_dvc_checksum(path: str | Path, dvc_lock: str | Path) -> tuple[str, str | None]:
     """``(actual md5, recorded md5 or None)``; raises :class:`ChecksumError` on a mismatch.
 
-    ``path`` may be a folder: its message then names the first file that differs from
-    DVC's cached listing, when the cache has it.
+    ``path`` may be a folder: its message then names the files that differ from
+    DVC's cached listing (the first three), when the cache has it.
     """
     if Path(path).is_dir():
         return _verify_dir(Path(path), dvc_lock)
