@@ -138,7 +138,12 @@ class Evidence:
 
     def record(self, step: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run one step within the budget; write ``<step>.json`` whatever happens."""
-        entry: dict[str, Any] = {"schema": SCHEMA, "step": step, **self.stamp()}
+        entry: dict[str, Any] = {
+            "schema": SCHEMA,
+            "step": step,
+            **self.stamp(),
+            "command": _command_line(),
+        }
         began = time.monotonic()
         if began - self.started > self.args.budget_s:
             entry |= {"status": "skipped", "reason": f"time budget ({self.args.budget_s} s) spent"}
@@ -154,6 +159,31 @@ class Evidence:
         print(f"gpu-evidence: {step}: {entry['status']} ({entry['seconds']} s)", flush=True)
         return entry
 
+    def kept(self, step: str) -> dict[str, Any] | None:
+        """With ``--rerun``: a step not named keeps its earlier output from this device model.
+
+        A lent GPU window is short: a failed step is fixed and run again alone,
+        the others stay as measured (each output carries its own command).
+        """
+        if not self.args.rerun or step in self.args.rerun:
+            return None
+        path = self.out / f"{step}.json"
+        earlier = read_json(path) if path.is_file() else None
+        same = earlier is not None and all(
+            earlier.get(key) == value
+            for key, value in self.stamp().items()
+            if key in ("device", "device_name", "workload")
+        )
+        if not same:
+            raise SystemExit(
+                f"gpu-evidence: --rerun: {path} holds no earlier output of {step} on "
+                f"{self.facts['device_name']} ({self.args.workload}); run every step"
+            )
+        if "command" not in earlier:  # written before steps named their command
+            earlier["command"] = read_json(self.out / "summary.json")["command"]
+        print(f"gpu-evidence: {step}: kept from `{earlier['command']}`", flush=True)
+        return {**earlier, "kept": True}
+
     def stamp(self) -> dict[str, Any]:
         """What every output carries: the device and the drift from the lock."""
         return {
@@ -168,6 +198,10 @@ class Evidence:
 
 class StepError(Exception):
     """A step's command failed; the message holds the end of its output."""
+
+
+def _command_line() -> str:
+    return " ".join([Path(sys.executable).name, *sys.argv])
 
 
 def _pythonpath() -> str:
@@ -385,12 +419,18 @@ def write_summary(ev: Evidence, entries: dict[str, dict[str, Any]]) -> None:
         "schema": SCHEMA,
         **ev.stamp(),
         "facts": ev.facts,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": _command_line(),
         "steps": {
-            step: {"status": e["status"], "seconds": e["seconds"], "headline": headline(step, e)}
+            step: {
+                "status": e["status"],
+                "seconds": e["seconds"],
+                "headline": headline(step, e),
+                "command": e["command"],
+            }
             for step, e in entries.items()
         },
     }
+    kept = sorted({e["command"] for e in entries.values() if e.get("kept")})
     write_json(ev.out / "summary.json", summary)
     facts = ev.facts
     lines = [
@@ -411,9 +451,12 @@ def write_summary(ev: Evidence, entries: dict[str, dict[str, Any]]) -> None:
         "| step | status | seconds | result |",
         "| --- | --- | --- | --- |",
         *(
-            f"| {step} | {s['status']} | {s['seconds']} | {s['headline'].replace('|', '/')} |"
+            f"| {step} | {s['status']}{', kept' * entries[step].get('kept', False)} "
+            f"| {s['seconds']} | {s['headline'].replace('|', '/')} |"
             for step, s in summary["steps"].items()
         ),
+        "",
+        *(f"Kept (`--rerun` named other steps) from an earlier call: `{c}`." for c in kept),
         "",
     ]
     (ev.out / "summary.md").write_text("\n".join(lines))
@@ -438,6 +481,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lock", type=Path, help="lock to compare against (default by device)")
     parser.add_argument("--budget-s", type=float, default=420, help="start no step after this")
     parser.add_argument("--skip", action="append", default=[], choices=STEPS, metavar="STEP")
+    parser.add_argument(
+        "--rerun",
+        action="append",
+        default=[],
+        choices=STEPS,
+        metavar="STEP",
+        help="run only these steps; keep the others' outputs in --out (same device model)",
+    )
     parser.add_argument("--image", default="reprotrain:latest", help="image for the docker step")
     parser.add_argument("--work", type=Path, help="keep the runs here (default: a temp folder)")
     parser.add_argument(
@@ -472,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
             "pytest_gpu": lambda: step_pytest_gpu(ev),
             "docker": lambda: step_docker(ev),
         }
-        entries = {step: ev.record(step, steps[step]) for step in STEPS}
+        kept = {step: ev.kept(step) for step in STEPS}  # all checked before any step runs
+        entries = {step: kept[step] or ev.record(step, steps[step]) for step in STEPS}
         write_summary(ev, entries)
     print(f"gpu-evidence: wrote {args.out}/summary.md")
     return 0

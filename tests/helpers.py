@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import io
+import json
 import os
 import random
 import re
@@ -82,6 +83,22 @@ def train_argv(prepared: Path, env: Path, out: Path, *overrides: str) -> list[st
         *("--metrics", str(out / "metrics.json"), "--plots", str(out / "plots")),
         *("--run-record", str(out / "run.json")),
     ]
+
+
+def verify_training(prepared: Path, env: Path, workdir: Path, *overrides: str) -> dict[str, Any]:
+    """`reprotrain verify --json -- reprotrain train ... --evidence`: two fresh trainings.
+
+    Needs no DVC and no locked environment, so it runs on a lent GPU host (its
+    own torch, no DVC): the drift from the lock is recorded, not refused.
+    """
+    train = train_argv(prepared, env, Path("{out}"), *overrides)
+    outputs = [arg for name in RUN_OUTPUTS for arg in ("--output", name)]
+    done = run_cli(
+        "verify", "--json", "--workdir", workdir, *outputs, "--",
+        sys.executable, "-m", "reprotrain", *train, "--evidence", cwd=workdir.parent,
+    )  # fmt: skip
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    return json.loads(done.stdout)
 
 
 def run_in_process(*args: str | Path) -> subprocess.CompletedProcess[str]:

@@ -139,12 +139,29 @@ def test_reexec_fixes_the_hash_seed_for_the_whole_process() -> None:
 
 def test_cuda_initialised_before_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
     # No GPU here: stand in for "something already called into CUDA".
+    monkeypatch.setattr(determinism, "_cublas_before_cuda", None)
     monkeypatch.setattr(determinism, "_cuda_initialized", lambda: True)
     with pytest.raises(DeterminismError, match="CUDA was initialised before"):
         configure_determinism(seed=1, mode=True)
 
 
+def test_a_second_call_after_cuda_started_keeps_the_first_calls_config(
+    monkeypatch: pytest.MonkeyPatch, restore_torch_flags: None
+) -> None:
+    # Several fits in one process (a benchmark, a sweep): the first call ran before CUDA.
+    monkeypatch.setattr(determinism, "_cublas_before_cuda", None)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    configure_determinism(seed=1, mode=True)
+    monkeypatch.setattr(determinism, "_cuda_initialized", lambda: True)
+    assert configure_determinism(seed=2, mode=True).problems == ()
+    # The other deterministic value was not the one cuBLAS could have read: refused.
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", determinism.CUBLAS_DETERMINISTIC_CONFIGS[1])
+    with pytest.raises(DeterminismError, match="CUDA was initialised before"):
+        configure_determinism(seed=3, mode=True)
+
+
 def test_cuda_initialised_before_warns_in_warn_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(determinism, "_cublas_before_cuda", None)
     monkeypatch.setattr(determinism, "_cuda_initialized", lambda: True)
     with pytest.warns(UserWarning, match="CUDA was initialised before"):
         settings = configure_determinism(seed=1, mode="warn")

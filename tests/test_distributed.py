@@ -24,6 +24,7 @@ from tests.helpers import (
     run_cli,
     signal_after_checkpoint,
     train_argv,
+    verify_training,
 )
 
 DDP2 = ("-S", "train.strategy=ddp", "-S", "train.devices=2")
@@ -203,15 +204,15 @@ def test_ranks_that_disagree_all_stop_with_one_message(monkeypatch) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_one_gpu_ddp_twice_gives_identical_bits(repo_copy: Path, tmp_path: Path) -> None:
-    result = run_cli(
-        "verify",
-        *("-S", "train.accelerator=gpu", *DDP1, "-S", "train.max_epochs=1"),
-        *("--workdir", tmp_path / "w"),
-        cwd=repo_copy,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "IDENTICAL (2 runs)" in result.stdout
+def test_gpu_one_gpu_ddp_twice_gives_identical_bits(
+    prepared: Path, env_record: Path, tmp_path: Path
+) -> None:
+    report = verify_training(
+        prepared, env_record, tmp_path / "w", "-S", "train.accelerator=gpu", *DDP1,
+        "-S", "train.max_epochs=1",
+    )  # fmt: skip
+    assert report["identical"], report
+    assert "model.safetensors" in report["outputs"], report
 
 
 @pytest.mark.slow

@@ -23,12 +23,15 @@ import gpu_rows
 def evidence(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One dry run on the CPU, checked against the CUDA lock: so it drifts, in evidence mode."""
     out = tmp_path_factory.mktemp("gpu-evidence")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_evidence.py"), "--device", "cpu"]
-    cmd += ["--quick", "--out", str(out), "--lock", str(ROOT / "requirements.lock")]
-    cmd += ["--work", str(out / "work")]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), check=False)
+    result = _dry_run(out, "--work", str(out / "work"))
     assert result.returncode == 0, result.stdout + result.stderr
     return out
+
+
+def _dry_run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_evidence.py"), "--device", "cpu"]
+    cmd += ["--quick", "--out", str(out), "--lock", str(ROOT / "requirements.lock"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), check=False)
 
 
 def _load(folder: Path, name: str) -> dict:
@@ -86,6 +89,23 @@ def test_a_twin_that_differs_is_reported_with_how_much_and_where(
     assert result["tensors_different"] == 1
     assert result["max_abs_weight_diff"] == pytest.approx(0.5, abs=1e-6)
     assert gpu_evidence.compare_runs(same, evidence / "work" / "det-2")["identical"] is True
+
+
+def test_rerun_runs_the_named_step_and_keeps_the_others(evidence: Path, tmp_path: Path) -> None:
+    out = Path(shutil.copytree(evidence, tmp_path / "gpu", ignore=shutil.ignore_patterns("work")))
+    before = {step: (out / f"{step}.json").read_bytes() for step in gpu_evidence.STEPS}
+    result = _dry_run(out, "--rerun", "docker")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for step in gpu_evidence.STEPS:
+        assert ((out / f"{step}.json").read_bytes() == before[step]) == (step != "docker"), step
+    summary = _load(out, "summary")
+    assert "--rerun docker" in _load(out, "docker")["command"]
+    assert summary["steps"]["bench"]["command"] == _load(evidence, "bench")["command"]
+    assert "| bench | ok, kept |" in (out / "summary.md").read_text()
+    # Nothing earlier to keep: refused before any step runs.
+    refused = _dry_run(tmp_path / "empty", "--rerun", "docker")
+    assert refused.returncode != 0 and not (tmp_path / "empty" / "docker.json").exists()
+    assert "holds no earlier output of twin_deterministic" in refused.stderr
 
 
 def test_without_evidence_mode_the_train_stage_refuses_the_drift(

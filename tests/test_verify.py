@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import ROOT, commit_all, run_cli
+from tests.helpers import ROOT, RUN_OUTPUTS, commit_all, run_cli, verify_training
 from tests.test_oprecord import _line_of
 
 INJECT = str(ROOT / "tests" / "inject")
@@ -129,19 +129,17 @@ def test_locate_names_the_injected_layer_and_nothing_without_it(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_twin_two_fresh_gpu_trainings_give_identical_bits(
-    repo_copy: Path, tmp_path: Path
+    prepared: Path, env_record: Path, tmp_path: Path
 ) -> None:
     # Fresh processes, so the determinism flags and CUBLAS_WORKSPACE_CONFIG are in force
-    # before CUDA starts; the CPU test is tests/test_train.py's same-seed test.
-    result = run_cli(
-        "verify",
-        *("-S", "train.accelerator=gpu", "-S", "train.max_epochs=1"),
-        *("--workdir", tmp_path / "w"),
-        cwd=repo_copy,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "IDENTICAL (2 runs)" in result.stdout
-    assert "IDENTICAL: the same bits" in result.stdout
+    # before CUDA starts; the CPU test is tests/test_train.py's same-seed test. The
+    # negative control on CUDA: tests/test_oprecord.py's index_add_ with determinism off.
+    report = verify_training(
+        prepared, env_record, tmp_path / "w", "-S", "train.accelerator=gpu",
+        "-S", "train.max_epochs=1",
+    )  # fmt: skip
+    assert report["identical"], report
+    assert sorted(report["outputs"]) == sorted(RUN_OUTPUTS), report
 
 
 def test_verify_that_fails_leaves_no_temporary_folder(repo_copy: Path, tmp_path: Path) -> None:

@@ -26,7 +26,10 @@ mode, and warns in ``"warn"`` mode:
   process with it set; the ``reprotrain`` CLI does that first thing.
 * CUDA must not be initialised yet: cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG``
   when its handle is created, so setting it later (as Lightning's
-  ``Trainer(deterministic=True)`` does) can be silently too late.
+  ``Trainer(deterministic=True)`` does) can be silently too late. A later call
+  in the same process (several fits in one benchmark, sweep or notebook) is
+  accepted while the value an earlier call saw before CUDA started is still
+  the one exported.
 
 ``mode=False`` is the fast mode: nothing is checked, deterministic algorithms
 are off and cuDNN autotuning (``benchmark``) is on. Seeding still happens.
@@ -56,6 +59,8 @@ Mode = bool | Literal["warn"]
 CUBLAS_DETERMINISTIC_CONFIGS = (":4096:8", ":16:8")
 FIXED_HASH_SEED = "0"
 _HASH_PROBE = "reprotrain-hash-probe"
+#: The CUBLAS_WORKSPACE_CONFIG in force when a call found CUDA not yet started.
+_cublas_before_cuda: str | None = None
 
 
 class DeterminismError(RuntimeError):
@@ -170,7 +175,7 @@ def _check_preconditions(hash_ok: bool, cuda_up: bool) -> list[str]:
             f"CUBLAS_WORKSPACE_CONFIG={cublas!r} is not deterministic; "
             f"use one of {', '.join(CUBLAS_DETERMINISTIC_CONFIGS)} or unset it"
         )
-    if cuda_up:
+    if cuda_up and (cublas is None or cublas != _cublas_before_cuda):
         problems.append(
             "CUDA was initialised before configure_determinism(); cuBLAS may have "
             "started without CUBLAS_WORKSPACE_CONFIG. Call it before any CUDA use "
@@ -200,6 +205,9 @@ def configure_determinism(
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
         problems = _check_preconditions(hash_ok, cuda_up) + problems
+        if not cuda_up and not problems:
+            global _cublas_before_cuda
+            _cublas_before_cuda = os.environ["CUBLAS_WORKSPACE_CONFIG"]
         if problems:
             refuse_or_warn(mode, "cannot guarantee determinism: " + "; ".join(problems))
 

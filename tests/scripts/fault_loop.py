@@ -47,8 +47,10 @@ class Net(torch.nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed[idx % 64].mean(1)  # SHOWS catalog (backward: 65536 rows added into 64)
         if FAULT == "cuda":  # CUDA adds with atomics: 65536 rows into 64, in a varying order
-            rows, pooled = (idx % 64).flatten(), torch.zeros(64, 32, device=idx.device)
-            pooled = pooled.index_add_(0, rows, self.embed[rows])  # FAULT cuda
+            # Each target row sums different embedding rows (one row added to itself
+            # 1024 times gives the same float in any order: identical on an H100).
+            rows, pooled = (idx // 64).flatten(), torch.zeros(64, 32, device=idx.device)
+            pooled = pooled.index_add_(0, rows, self.embed[(idx % 64).flatten()])  # FAULT cuda
             x = x + pooled.mean(0)
         h = torch.relu(self.hidden(x))
         h = h - h.mean()  # SHOWS threads (a reduction over 131072 values)
