@@ -123,7 +123,7 @@ def test_bad_profile_params_name_the_key(override: str, key: str) -> None:
         CpuProfile(*(("fast", 1) if key == "cpu.profile" else ("portable", 0)))
 
 
-def test_another_cpu_family_leaves_the_key_alone_only_under_portable(
+def test_another_cpu_model_of_the_vendor_leaves_the_key_alone_only_under_portable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import reprotrain.provenance.environment as environment
@@ -135,14 +135,16 @@ def test_another_cpu_family_leaves_the_key_alone_only_under_portable(
     whole = capture_environment(LOCK, cpu_profile=CpuProfile("portable"))
     assert "model" not in whole["cpu"] and whole["host"]["cpu"]["model"]
     assert "kernel" not in whole["os"] and whole["host"]["kernel"]
-    monkeypatch.setattr(
-        environment,
-        "cpu_facts",
-        lambda: {"model": "Intel Xeon", "dispatch_flags": ["avx2", "avx512f"], "usable_cpus": 64},
-    )
+    vendor = whole["cpu"]["vendor"]
+    other = {"model": "Xeon", "dispatch_flags": ["avx2", "avx512f"], "usable_cpus": 64}
+    monkeypatch.setattr(environment, "cpu_facts", lambda: {**other, "vendor": vendor})
     there = {p: bit_deciding(capture_environment(LOCK, cpu_profile=CpuProfile(p))) for p in here}
     assert there["portable"] == here["portable"]
     assert there["native"] != here["native"]
+    # Another vendor: an Intel Xeon trained other bits than AMD EPYCs under portable.
+    monkeypatch.setattr(environment, "cpu_facts", lambda: {**other, "vendor": vendor + "-other"})
+    elsewhere = bit_deciding(capture_environment(LOCK, cpu_profile=CpuProfile("portable")))
+    assert elsewhere != here["portable"] and elsewhere["cpu"]["vendor"] == vendor + "-other"
 
 
 def test_dvc_repro_on_another_cpu_family_is_a_cache_hit(repo_copy: Path) -> None:

@@ -14,8 +14,8 @@ its final checkpoint: before its first output, its trace, its run record, or jus
 ``REPROTRAIN_TEST_SIGTERM_AT_STEP=k`` sends SIGTERM to the training process itself at the start
 of training step k (global step, on rank 0), as a preemption that lands mid-epoch at a chosen
 batch; the step finishes and the run stops with its interrupt checkpoint.
-``REPROTRAIN_TEST_CPU=xeon-avx512`` makes the environment record see another CPU family (an
-Intel Xeon with AVX-512, more cores) in place of this machine's.
+``REPROTRAIN_TEST_CPU=xeon-avx512`` makes the environment record see another CPU model of this
+machine's vendor (AVX-512, more cores) in place of this machine's.
 """
 
 from __future__ import annotations
@@ -125,9 +125,13 @@ if os.environ.get("REPROTRAIN_TEST_KILL_AT") is not None:
 if os.environ.get("REPROTRAIN_TEST_CPU") == "xeon-avx512":
     import reprotrain.provenance.environment as environment
 
+    host_vendor = environment.cpu_facts()["vendor"]
+
     def cpu_facts() -> dict:
+        # Another model of this host's vendor: across vendors the portable bits differ.
         flags = ["sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw"]
         return {
+            "vendor": host_vendor,
             "model": "Intel(R) Xeon(R) Platinum 8480+",
             "dispatch_flags": flags,
             "usable_cpus": 112,

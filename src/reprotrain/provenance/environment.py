@@ -105,7 +105,9 @@ def capture_environment(
     Everything but the ``host`` section decides the bits (:func:`bit_deciding`
     returns it). Under a ``portable`` :class:`~reprotrain.cpuprofile.CpuProfile`
     the CPU model and flags are only informational: the profile's pins decide
-    the kernels instead. Under ``native`` they decide, and without a profile the
+    the kernels instead, within one CPU vendor (an Intel Xeon trained other
+    bits than AMD EPYCs under the same pins: docs/cpu-profile.md), so the
+    vendor stays in the key. Under ``native`` they decide, and without a profile the
     usable CPU count does too (torch's default thread count follows it).
     """
     cpu = cpu_facts()
@@ -119,10 +121,11 @@ def capture_environment(
     if cpu_profile is None:
         deciding_cpu = cpu
     elif cpu_profile.portable:
-        deciding_cpu = cpu_profile.record()
+        deciding_cpu = {**cpu_profile.record(), "vendor": cpu["vendor"]}
     else:
         deciding_cpu = {
             **cpu_profile.record(),
+            "vendor": cpu["vendor"],
             "model": cpu["model"],
             "dispatch_flags": cpu["dispatch_flags"],
         }
@@ -228,17 +231,20 @@ def _gpus() -> list[dict[str, str]]:
 
 
 def cpu_facts() -> dict[str, Any]:
-    """This CPU's model name, the dispatch-relevant flags it has, and the CPUs usable here."""
-    model, flags = platform.processor() or "unknown", set()
+    """This CPU's vendor and model name, its dispatch-relevant flags, and the CPUs usable here."""
+    model, vendor, flags = platform.processor() or "unknown", "unknown", set()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         text = ""
     if found := re.search(r"^model name\s*:\s*(.+)$", text, re.M):
         model = found.group(1).strip()
+    if found := re.search(r"^vendor_id\s*:\s*(.+)$", text, re.M):
+        vendor = found.group(1).strip()
     if found := re.search(r"^flags\s*:\s*(.+)$", text, re.M):
         flags = set(found.group(1).split())
     return {
+        "vendor": vendor,
         "model": model,
         "dispatch_flags": [flag for flag in DISPATCH_FLAGS if flag in flags],
         "usable_cpus": len(os.sched_getaffinity(0))
