@@ -85,6 +85,9 @@ def main() -> None:
         folder = Path(tmp) / "shards"
         write_shards(folder, {"train": {"x": x, "y": y}}, cli.shard_samples)
         shards = ShardedDataset(folder, "train")
+        report["held"] = shards.held
+        streamed = [field for field in shards.fields if field not in shards.held]
+        print(f"shard fields streamed: {streamed}, held in memory: {shards.held}")
         report["readers"] = {
             str(w): compare_readers(memory, shards, cli.batch, w, cli.repeats) for w in cli.workers
         }

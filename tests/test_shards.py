@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from reprotrain.data import shards
 from reprotrain.data.shards import (
     INDEX,
     ShardedDataset,
@@ -44,14 +45,29 @@ def folder(tmp_path: Path) -> Path:
     return tmp_path / "shards"
 
 
-def test_a_split_reads_back_sample_for_sample(folder: Path) -> None:
+@pytest.fixture(params=["held", "streamed"])
+def reading(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a field is read: held in memory (a small field, the default here) or
+    streamed row by row from its shards (every field, with no bytes allowed to be held)."""
+    if request.param == "streamed":
+        monkeypatch.setattr(shards, "HELD_BYTES", 0)
+    return request.param
+
+
+def test_a_split_reads_back_sample_for_sample(folder: Path, reading: str) -> None:
     arrays, dataset = _arrays(), ShardedDataset(folder, "train")
+    assert bool(dataset._held) == (reading == "held")
     assert len(dataset) == SAMPLES and dataset.fields == ["x", "y"]
     for i in (0, 127, 128, 999):
         x, y = dataset[i]
         assert torch.equal(x, torch.from_numpy(arrays["x"][i])) and int(y) == i
     with pytest.raises(IndexError):
         dataset[SAMPLES]
+    shuffled = np.random.default_rng(1).permutation(SAMPLES).tolist()
+    batches = [list(range(120, 260)), shuffled[:300], [5, 6, 7, 3, 4, 127, 128, 129, 999, 0]]
+    for batch in batches:  # runs across a shard's end, runs of one, runs broken by order
+        x, y = (torch.stack(column) for column in zip(*dataset.__getitems__(batch), strict=True))
+        assert torch.equal(x, torch.from_numpy(arrays["x"][batch])) and y.tolist() == batch
     assert len(ShardedDataset(folder, "val")) == 10
     with pytest.raises(ShardError, match="no split 'test'"):
         ShardedDataset(folder, "test")
@@ -126,7 +142,7 @@ def test_an_index_naming_more_samples_than_a_shard_holds_is_refused(folder: Path
         ShardedDataset(folder, "train")
 
 
-def test_forked_workers_read_what_the_main_process_reads(folder: Path) -> None:
+def test_forked_workers_read_what_the_main_process_reads(folder: Path, reading: str) -> None:
     dataset = ShardedDataset(folder, "train")
     dataset[0]  # the main process has its files open before the fork
     batches = [
@@ -134,6 +150,7 @@ def test_forked_workers_read_what_the_main_process_reads(folder: Path) -> None:
         for workers in (0, 2)
     ]
     assert torch.equal(batches[0], batches[1]) and torch.equal(batches[0], torch.arange(SAMPLES))
+    assert bool(dataset._held) == (reading == "held")
 
 
 def _order_hash(folder: Path, world_size: int, workers: int, epochs: int = 2) -> str:

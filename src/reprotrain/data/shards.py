@@ -1,4 +1,4 @@
-"""Datasets bigger than memory: a folder of shards, read a sample at a time, never whole.
+"""Datasets bigger than memory: a folder of shards, streamed a batch at a time, never whole.
 
 The format (``reprotrain.shards/1``) is a folder: ``index.json`` and, per
 split and field, plain ``.npy`` shards named ``<split>-<shard:05d>-<field>.npy``
@@ -15,11 +15,16 @@ canonical JSON::
 :class:`ShardedDataset` is a map-style dataset over one split: ``len`` and
 ``__getitem__`` (a tuple of tensors, in the index's field order, as a
 ``TensorDataset`` gives) and ``__getitems__`` (a list of them, which a
-``DataLoader`` asks for a batch at a time). A batch's rows of each field are
-read with ``os.preadv`` at their offsets in the field's shards, straight into
-one array (a call per row, or per run of consecutive rows): no memory map,
-nothing of the split held, so a process's memory is what its batches need,
-whatever the dataset's size.
+``DataLoader`` asks for a batch at a time). A field is either streamed or held.
+Streamed (any field of a split over ``HELD_BYTES``, 16 MiB): a batch's rows
+are read with ``os.preadv`` at their offsets in the field's shards, straight
+into one array (a call per row, or per run of consecutive rows): no memory
+map, nothing of the field kept, so that memory is what the batches need,
+whatever the dataset's size. Held (a small field, such as the labels): its
+rows are read a shard at a time, when a process first reads from that shard,
+into one array of the split, and gathered from it, rather than a system call
+per sample for a few bytes. What a process holds is therefore at
+most ``HELD_BYTES`` per field, whatever the dataset's size.
 Files open lazily in each process (a forked DataLoader worker opens its own).
 Being map-style, it takes the order of whatever sampler reads it: the
 pipeline's, which is one order for any worker count and, under world-size
@@ -179,6 +184,9 @@ class _HashingWriter:
         return self._digest.hexdigest()
 
 
+HELD_BYTES = 16 << 20
+
+
 class ShardedDataset(Dataset):
     """One split of a shard folder as a map-style dataset (module doc).
 
@@ -204,65 +212,102 @@ class ShardedDataset(Dataset):
         self._widths = [dtype.itemsize * _rows(shape) for dtype, shape in self._specs]
         counts = [s["samples"] for s in entry["shards"]]
         self._starts = np.cumsum([0, *counts]).tolist()
+        self._samples = self._starts[-1]
+        small = [
+            field for field, width in enumerate(self._widths) if width * self._samples <= HELD_BYTES
+        ]
+        self._read = [field for field in range(len(self.fields)) if field not in small]
+        self._held_fields = small
+        self.held = [self.fields[field] for field in small]  # names of the held fields
         self._pid: int | None = None
-        self._fds: dict[int, list[int]] = {}
+        self._plans: dict[int, list[tuple[int, int]]] = {}
+        self._forget_held()
+
+    def _forget_held(self) -> None:
+        """Empty held arrays, filled a shard at a time as this process opens it."""
+        self._held = {
+            field: np.empty((self._samples, *self._specs[field][1]), self._specs[field][0])
+            for field in self._held_fields
+        }
 
     def __len__(self) -> int:
-        return self._starts[-1]
+        return self._samples
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, ...]]:
         """Samples ``indices``, as ``[self[i] for i in indices]`` (a DataLoader calls this
-        with a whole batch). Each field's rows are read straight into one array, a run of
-        consecutive samples of a shard by one call."""
+        with a whole batch). Each read field's rows go straight into one array, a run of
+        consecutive samples of a shard by one call; held fields are gathered from memory."""
         indices = [int(index) for index in indices]
-        for index in indices:
-            if not 0 <= index < len(self):
-                raise IndexError(f"sample {index} of {len(self)}")
+        if indices and (min(indices) < 0 or max(indices) >= self._samples):
+            bad = next(i for i in indices if not 0 <= i < self._samples)
+            raise IndexError(f"sample {bad} of {self._samples}")
+        starts, plans = self._starts, self._process_plans()
+        shards = [bisect.bisect_right(starts, index) - 1 for index in indices]
+        for shard in set(shards).difference(plans):
+            self._open(shard)
         arrays = [np.empty((len(indices), *shape), dtype) for dtype, shape in self._specs]
-        buffers = [memoryview(array.reshape(-1).view(np.uint8)) for array in arrays]
-        for position, shard, row, count in self._runs(indices):
-            fds, headers = self._shard_fds(shard), self._headers[shard]
-            for field, (width, buffer) in enumerate(zip(self._widths, buffers, strict=True)):
-                target = buffer[position * width : (position + count) * width]
-                if os.preadv(fds[field], [target], headers[field] + row * width) != len(target):
-                    name = self._files[shard][field]
-                    raise ShardError(f"{self.folder / name}: shorter than {INDEX} says; restore it")
+        for field in self._read:
+            self._read_field(field, indices, shards, arrays[field])
+        if self._held:
+            where = np.asarray(indices, dtype=np.int64)
+            for field, values in self._held.items():
+                np.take(values, where, axis=0, out=arrays[field])
         columns = [torch.from_numpy(array).unbind(0) for array in arrays]
         return list(zip(*columns, strict=True))
 
-    def _runs(self, indices: list[int]) -> list[list[int]]:
-        """``[position in indices, shard, first row, count]`` per run of consecutive
-        samples of one shard (runs of one, in a shuffled order)."""
-        runs: list[list[int]] = []
-        for position, index in enumerate(indices):
-            run = runs[-1] if runs else None
-            if run and index == indices[position - 1] + 1 and index < self._starts[run[1] + 1]:
-                run[3] += 1
-            else:
-                shard = bisect.bisect_right(self._starts, index) - 1
-                runs.append([position, shard, index - self._starts[shard], 1])
-        return runs
+    def _read_field(
+        self, field: int, indices: list[int], shards: list[int], array: np.ndarray
+    ) -> None:
+        """One field's rows of ``indices`` (in ``shards``) into ``array``: a ``preadv`` per
+        run of consecutive samples of one shard (runs of one in a shuffled order)."""
+        width, starts, plans = self._widths[field], self._starts, self._plans
+        buffer = memoryview(array.reshape(-1).view(np.uint8))
+        position, count = 0, len(indices)
+        while position < count:
+            first, shard, end = indices[position], shards[position], position + 1
+            while end < count and indices[end] == first + end - position and shards[end] == shard:
+                end += 1
+            fd, start = plans[shard][field]
+            target = buffer[position * width : end * width]
+            if os.preadv(fd, [target], start + (first - starts[shard]) * width) != len(target):
+                self._short(shard, field)
+            position = end
 
-    def _shard_fds(self, shard: int) -> list[int]:
-        """This process's descriptors of the shard's files, by field (opened on first use)."""
-        if self._pid != os.getpid():  # a forked worker: its own descriptors
-            self._pid, self._fds = os.getpid(), {}
-        fds = self._fds.get(shard)
-        if fds is None:
-            names = self._files[shard]
-            fds = self._fds[shard] = [os.open(self.folder / name, os.O_RDONLY) for name in names]
-        return fds
+    def _open(self, shard: int) -> None:
+        """Open a shard's files in this process (its plan: ``(fd, where rows start)`` by
+        field) and read its rows of the held fields."""
+        files = [os.open(self.folder / name, os.O_RDONLY) for name in self._files[shard]]
+        plan = self._plans[shard] = list(zip(files, self._headers[shard], strict=True))
+        for field, values in self._held.items():
+            rows = values[self._starts[shard] : self._starts[shard + 1]]
+            target = memoryview(rows.reshape(-1).view(np.uint8))
+            if os.preadv(plan[field][0], [target], plan[field][1]) != len(target):
+                self._short(shard, field)
+
+    def _short(self, shard: int, field: int) -> None:
+        name = self._files[shard][field]
+        raise ShardError(f"{self.folder / name}: shorter than {INDEX} says; restore it")
+
+    def _process_plans(self) -> dict[int, list[tuple[int, int]]]:
+        """This process's read plans by shard (``_open``; a forked worker opens its own)."""
+        if self._pid != os.getpid():
+            self._pid, self._plans = os.getpid(), {}
+        return self._plans
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pid": None, "_fds": {}}
+        return {**self.__dict__, "_pid": None, "_plans": {}, "_held": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._forget_held()
 
     def __del__(self) -> None:
         if getattr(self, "_pid", None) == os.getpid():
-            for fds in self._fds.values():
-                for fd in fds:
+            for plan in self._plans.values():
+                for fd, _ in plan:
                     with contextlib.suppress(OSError):
                         os.close(fd)
 
