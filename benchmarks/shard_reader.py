@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
+from _workloads import cpu_model
 from reprotrain.atomic import atomic_write_text
 from reprotrain.data.shards import ShardedDataset, write_shards
 from reprotrain.distributed.worldsize import MicroBatchSampler
@@ -184,16 +185,6 @@ def seconds(work: Callable[[], object]) -> float:
     start = time.perf_counter()
     work()
     return time.perf_counter() - start
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

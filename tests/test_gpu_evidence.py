@@ -18,6 +18,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_evidence
 import gpu_rows
 
+#: The tests that read ``evidence``, a CPU dry run of every step (about 100 s on 2 cores):
+#: in ``make test-slow``, which CI runs too.
+needs_dry_run = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def evidence(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -38,6 +42,7 @@ def _load(folder: Path, name: str) -> dict:
     return json.loads((folder / f"{name}.json").read_text())
 
 
+@needs_dry_run
 @pytest.mark.parametrize("step", gpu_evidence.STEPS)
 def test_every_step_writes_its_output_naming_device_and_drift(evidence: Path, step: str) -> None:
     entry = _load(evidence, step)
@@ -49,6 +54,7 @@ def test_every_step_writes_its_output_naming_device_and_drift(evidence: Path, st
     assert isinstance(entry["result"], dict) and entry["seconds"] >= 0
 
 
+@needs_dry_run
 def test_twin_runs_are_identical_and_the_figures_are_read_from_the_runs(evidence: Path) -> None:
     twin = _load(evidence, "twin_deterministic")["result"]
     assert twin["identical"] is True and twin["max_abs_weight_diff"] == 0.0
@@ -64,6 +70,7 @@ def test_twin_runs_are_identical_and_the_figures_are_read_from_the_runs(evidence
     }
 
 
+@needs_dry_run
 def test_summary_names_device_builds_and_every_difference_from_the_lock(evidence: Path) -> None:
     summary = _load(evidence, "summary")
     assert set(summary["steps"]) == set(gpu_evidence.STEPS)
@@ -75,6 +82,7 @@ def test_summary_names_device_builds_and_every_difference_from_the_lock(evidence
         assert f"- {d['package']}: installed {d['installed']}, lock {d['locked']}" in markdown
 
 
+@needs_dry_run
 def test_a_twin_that_differs_is_reported_with_how_much_and_where(
     evidence: Path, tmp_path: Path
 ) -> None:
@@ -91,6 +99,7 @@ def test_a_twin_that_differs_is_reported_with_how_much_and_where(
     assert gpu_evidence.compare_runs(same, evidence / "work" / "det-2")["identical"] is True
 
 
+@needs_dry_run
 def test_rerun_runs_the_named_step_and_keeps_the_others(evidence: Path, tmp_path: Path) -> None:
     out = Path(shutil.copytree(evidence, tmp_path / "gpu", ignore=shutil.ignore_patterns("work")))
     before = {step: (out / f"{step}.json").read_bytes() for step in gpu_evidence.STEPS}
@@ -120,11 +129,13 @@ def test_without_evidence_mode_the_train_stage_refuses_the_drift(
     assert not (tmp_path / "model.safetensors").exists()
 
 
+@needs_dry_run
 def test_cpu_dry_run_outputs_never_fill_the_gpu_rows(evidence: Path) -> None:
     assert gpu_rows.load_evidence(evidence) is None
     assert "not yet measured" in gpu_rows.render("tradeoff", None)
 
 
+@needs_dry_run
 def test_gpu_outputs_fill_the_rows(evidence: Path, tmp_path: Path) -> None:
     fake = Path(shutil.copytree(evidence, tmp_path / "gpu"))
     summary = _load(fake, "summary") | {"device": "cuda", "device_name": "Test GPU"}
