@@ -3,7 +3,8 @@
 Prepares the default data once, then alternates fresh trainings of the
 pipeline model at 2 gloo processes and the same global batch: plain DDP
 (batch B/2 per rank, one all-reduce) and ``train.world_size_invariant``
-with micro-batches of B/2 (one per rank and step) and of B/4 (two). Each
+with micro-batches of B/2 (one per rank and step), of B/4 (two) and of B/8
+(four). Each
 training times its optimizer steps on rank 0 after a warm-up epoch (from
 one step's end to the next, validation left out) and prints the median;
 this prints the medians over the repeats, each mode's ratio to plain DDP
@@ -41,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3, help="the first is warm-up")
-    parser.add_argument("--batch", type=int, help="global batch (divisible by 4; default: params')")
+    parser.add_argument("--batch", type=int, help="global batch (divisible by 8; default: params')")
     parser.add_argument(
         "--models", choices=("both", "default", "10m"), default="both", help="which models to time"
     )
@@ -53,6 +54,8 @@ def main() -> None:
         return
     params = workload_params(cli.workload)
     cli.batch = cli.batch or params.batch_size
+    if cli.batch % 8:
+        parser.error(f"the global batch {cli.batch} does not split into 8 micro-batches")
     common = ["train.strategy=ddp", "train.devices=2", f"train.max_epochs={cli.epochs}"]
     # Plain DDP's data.init_args.batch_size is per rank; the mode's is the global batch.
     modes = {
@@ -63,7 +66,7 @@ def main() -> None:
                 "train.world_size_invariant=true",
                 f"train.micro_batch_size={micro}",
             ]
-            for micro in (cli.batch // 2, cli.batch // 4)
+            for micro in (cli.batch // 2, cli.batch // 4, cli.batch // 8)
         },
     }
     models = {"default model": [], "~10M-parameter model": MODEL_10M[cli.workload]}

@@ -7,7 +7,11 @@
 # digits network's own tensor names (the module's "net." prefix dropped, as the weights
 # files named them before issue 29), so rows compare with earlier tables. It stays on the digits
 # recipe, where the other benchmarks train the language model: the cross-host table is in digits
-# weights. Run from the
+# weights. Then the same for the language model (one epoch, its own params), the rows "lm ...":
+# its cost under portable is MKL's GEMM (benchmarks/cpu_pins.py --workload lm), so its rows put
+# MKL's Intel-only AVX2 branch (MKL_CBWR=AVX2,STRICT) beside COMPATIBLE, with MKL's dispatch
+# also capped at AVX2 (MKL_ENABLE_INSTRUCTIONS, an older Intel CPU emulated; the cap alone, with
+# no branch, is the control that it reaches MKL). Run from the
 # repository root after `make venv`:
 #     bash benchmarks/pin_sets.sh
 # (The same rows as ../shared/tools/pin-fingerprints.sh, whose table the docs extend.)
@@ -17,6 +21,7 @@ export PATH="$root/.venv/bin:$PATH"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cp params.yaml "$work/"
+sed 's/profile: portable/profile: native/' pipelines/lm/params.yaml >"$work/lm-params.yaml"
 cd "$work"
 sed 's/profile: portable/profile: native/' params.yaml >params-native.yaml
 cp params.yaml params-portable.yaml
@@ -34,7 +39,23 @@ run() {
 		-S data.init_args.num_workers=0 -S data.init_args.path=d.safetensors \
 		-S "cpu.profile=$profile" >"$name/log" 2>&1 ||
 		{ echo "$name failed: $(tail -n1 "$name/log")"; return; }
-	printf '%-40s %s\n' "$name" "$(python -c "from reprotrain.hashing import sha256_state_dict as f, load_safetensors as l; w = l('$name/m.safetensors')[0]; print(f({k.removeprefix('net.'): v for k, v in w.items()})[:16])")"
+	fingerprint "$name"
+}
+fingerprint() {
+	printf '%-40s %s\n' "$1" "$(python -c "from reprotrain.hashing import sha256_state_dict as f, load_safetensors as l; w = l('$1/m.safetensors')[0]; print(f({k.removeprefix('net.'): v for k, v in w.items()})[:16])")"
+}
+run_lm() {
+	local name=$1
+	shift
+	mkdir -p "$name"
+	env "$@" reprotrain env --lock "$root/requirements-cpu.lock" --out "$name/env.json" \
+		--params lm-params.yaml >/dev/null
+	env "$@" reprotrain train --params lm-params.yaml --env "$name/env.json" \
+		--model "$name/m.safetensors" --metrics "$name/met.json" --plots "$name/plots" \
+		--run-record "$name/run.json" --checkpoints "$name/ck" -S train.max_epochs=1 \
+		>"$name/log" 2>&1 ||
+		{ echo "$name failed: $(tail -n1 "$name/log")"; return; }
+	fingerprint "$name"
 }
 grep -m1 "model name" /proc/cpuinfo
 lscpu | grep -E "L1d|L2|L3"
@@ -47,3 +68,10 @@ run native-aten-avx2-onednn-avx2-mklcompat native ATEN_CPU_CAPABILITY=avx2 ONEDN
 	MKL_CBWR=COMPATIBLE,STRICT
 run native-onednn-sse41-mklcompat native ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=SSE41 \
 	MKL_CBWR=COMPATIBLE,STRICT
+run_lm lm-native X=1
+run_lm lm-aten-avx2 ATEN_CPU_CAPABILITY=avx2
+run_lm lm-aten-avx2-mkl-capped ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+run_lm lm-aten-avx2-mklcompat ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE,STRICT
+run_lm lm-aten-avx2-mklavx2 ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2,STRICT
+run_lm lm-aten-avx2-mklavx2-mkl-capped ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2,STRICT \
+	MKL_ENABLE_INSTRUCTIONS=AVX2
