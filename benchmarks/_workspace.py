@@ -34,6 +34,7 @@ from _workloads import WORKLOADS
 from reprotrain.determinism import configure_determinism
 from reprotrain.distributed.ddp import set_threads_per_rank, this_rank
 from reprotrain.hashing import canonical_json
+from reprotrain.pipeline import training
 from reprotrain.pipeline.config import Params, load_params
 from reprotrain.pipeline.data import save_prepared
 from reprotrain.pipeline.rawdata import load_raw
@@ -120,11 +121,17 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """The hidden flags by which a benchmark script reruns itself as a training worker."""
     parser.add_argument("--train", choices=tuple(WORKLOADS), help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--accumulate", type=int, default=1, help=argparse.SUPPRESS)
 
 
-def timed_training(script: str, workload: str, overrides: list[str]) -> dict:
-    """Run ``script --train WORKLOAD --set ...`` afresh; what its :func:`time_training` printed."""
+def timed_training(script: str, workload: str, overrides: list[str], accumulate: int = 1) -> dict:
+    """Run ``script --train WORKLOAD --set ...`` afresh; what its :func:`time_training` printed.
+
+    ``accumulate``: Lightning's ``accumulate_grad_batches`` for plain training (params
+    have no such key: the pipeline accumulates only in the world-size-invariant mode).
+    """
     argv = [sys.executable, script, "--train", workload, *(f"--set={o}" for o in overrides)]
+    argv.append(f"--accumulate={accumulate}")
     done = subprocess.run(
         argv, env=cli_env(PYTHONHASHSEED="0"), capture_output=True, text=True, check=False
     )
@@ -157,9 +164,14 @@ class StepTimer(L.Callback):
         self._last = now
 
 
-def time_training(workload: str, overrides: list[str]) -> None:
+def time_training(workload: str, overrides: list[str], accumulate: int = 1) -> None:
     """Worker side: fit the workload with ``overrides``; rank 0 prints its median step as JSON."""
     params = workload_params(workload, overrides)
+    if accumulate > 1:
+        if params.train.world_size_invariant:
+            raise SystemExit("--accumulate is for plain training; the mode sets its own")
+        plain_strategy = training._strategy
+        training._strategy = lambda *args: (plain_strategy(*args)[0], accumulate)
     settings = configure_determinism(params.seed, params.deterministic)
     threads = set_threads_per_rank(params.train.devices)
     timer = StepTimer()

@@ -4,8 +4,9 @@ Prepares the default data once, then alternates fresh trainings of the
 pipeline model at 2 gloo processes and the same global batch: plain DDP
 (batch B/2 per rank, one all-reduce) and ``train.world_size_invariant``
 with micro-batches of B/2 (one per rank and step), of B/4 (two) and of B/8
-(four). Each
-training times its optimizer steps on rank 0 after a warm-up epoch (from
+(four); and plain DDP with Lightning's gradient accumulation over the
+micro-batches of B/4 and B/8 (what cutting the batch costs without the
+mode). Each training times its optimizer steps on rank 0 after a warm-up epoch (from
 one step's end to the next, validation left out) and prints the median;
 this prints the medians over the repeats, each mode's ratio to plain DDP
 (of the medians, and the median of each repeat's own ratio: the host's
@@ -50,7 +51,7 @@ def main() -> None:
     add_worker_arguments(parser)
     cli = parser.parse_args()
     if cli.train is not None:  # a worker (or the rank Lightning started)
-        time_training(cli.train, cli.set)
+        time_training(cli.train, cli.set, cli.accumulate)
         return
     params = workload_params(cli.workload)
     cli.batch = cli.batch or params.batch_size
@@ -58,15 +59,26 @@ def main() -> None:
         parser.error(f"the global batch {cli.batch} does not split into 8 micro-batches")
     common = ["train.strategy=ddp", "train.devices=2", f"train.max_epochs={cli.epochs}"]
     # Plain DDP's data.init_args.batch_size is per rank; the mode's is the global batch.
-    modes = {
-        "plain DDP": [f"data.init_args.batch_size={cli.batch // 2}"],
+    # Each mode: its overrides, and Lightning's accumulate_grad_batches for plain DDP.
+    micros = {cli.batch // 2: 1, cli.batch // 4: 2, cli.batch // 8: 4}  # size: per rank
+    modes: dict[str, tuple[list[str], int]] = {
+        "plain DDP": ([f"data.init_args.batch_size={cli.batch // 2}"], 1),
         **{
-            f"invariant, micro {micro}": [
-                f"data.init_args.batch_size={cli.batch}",
-                "train.world_size_invariant=true",
-                f"train.micro_batch_size={micro}",
-            ]
-            for micro in (cli.batch // 2, cli.batch // 4, cli.batch // 8)
+            f"invariant, micro {micro}": (
+                [
+                    f"data.init_args.batch_size={cli.batch}",
+                    "train.world_size_invariant=true",
+                    f"train.micro_batch_size={micro}",
+                ],
+                1,
+            )
+            for micro in micros
+        },
+        # The mode's micro-batches without the mode: what cutting the batch alone costs.
+        **{
+            f"plain DDP, accumulate {k}": ([f"data.init_args.batch_size={micro}"], k)
+            for micro, k in micros.items()
+            if k > 1
         },
     }
     models = {"default model": [], "~10M-parameter model": MODEL_10M[cli.workload]}
@@ -76,9 +88,9 @@ def main() -> None:
     with prepared_data(params) as data:
         for _ in range(cli.repeats):
             for model, model_set in models.items():
-                for mode, mode_set in modes.items():
+                for mode, (mode_set, accumulate) in modes.items():
                     overrides = [*data, *common, *model_set, *mode_set]
-                    result = timed_training(__file__, cli.workload, overrides)
+                    result = timed_training(__file__, cli.workload, overrides, accumulate)
                     times[(model, mode)].append(result["step_s"])
     time_draws()
     print(
@@ -96,7 +108,7 @@ def main() -> None:
             paired = statistics.median(t / plain for t, plain in pairs)
             each = ", ".join(f"{1000 * t:.1f}" for t in runs)
             print(
-                f"    {mode:22s} median step {1000 * median:8.2f} ms  "
+                f"    {mode:26s} median step {1000 * median:8.2f} ms  "
                 f"ratio to plain DDP {median / base:.2f}, paired {paired:.2f}  (runs {each})"
             )
 

@@ -66,6 +66,32 @@ def test_same_seed_same_streams_and_other_seed_differs() -> None:
     assert draw(11) != draw(12)
 
 
+@pytest.mark.parametrize("seed", [0, 7, 2**63 - 1, 2**64 - 1])
+def test_seed_all_seeds_torch_as_manual_seed_does(seed: int) -> None:
+    torch.manual_seed(seed)
+    expected = torch.get_rng_state()
+    torch.manual_seed(seed + 1 if seed < 2**64 - 1 else 0)
+    assert not torch.equal(torch.get_rng_state(), expected)  # the control: the state moved
+    determinism.seed_all(seed)
+    assert torch.equal(torch.get_rng_state(), expected)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA it is torch's own seeding")
+def test_seed_all_without_cuda_formats_no_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.manual_seed queues the CUDA seed with a formatted stack even without CUDA,
+    1-2 ms a call under Lightning: the mode seeds every micro-batch and sample."""
+    import traceback
+
+    def stack_formatted(*args: object) -> list[str]:
+        raise AssertionError("traceback.format_stack called")
+
+    monkeypatch.setattr(traceback, "format_stack", stack_formatted)
+    with pytest.raises(AssertionError, match="format_stack"):  # the control: torch's does
+        torch.manual_seed(3)
+    determinism.seed_all(3)
+    assert torch.equal(torch.get_rng_state(), torch.Generator().manual_seed(3).get_state())
+
+
 def test_settings_are_json_ready() -> None:
     out = configure_determinism(seed=5, mode=True).as_dict()
     assert out["seed"] == 5 and out["python_hash_seed"] == "0" and out["problems"] == []

@@ -174,7 +174,7 @@ class SampleSeeded(Dataset):
     """A dataset whose items are drawn with global generators seeded from the sample's key.
 
     Items are ``(index, key)`` (:class:`~reprotrain.distributed.worldsize.MicroBatchSampler`);
-    torch's, numpy's and Python's global generators are seeded from the key for
+    torch's CPU, numpy's and Python's global generators are seeded from the key for
     the inner ``dataset[index]`` and restored after it, so the draw is the
     sample's own and the caller's streams (dropout's, in a loader without
     workers) do not move.
@@ -191,7 +191,7 @@ class SampleSeeded(Dataset):
         seed = sample_seed(key)
         numpy_state, python_state = np.random.get_state(), random.getstate()
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # the CPU's, which fork_rng restores
             np.random.seed(seed & 0xFFFFFFFF)
             random.seed(seed)
             try:
