@@ -27,7 +27,6 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 #: name -> (environment variables, oneDNN enabled)
 VARIANTS: dict[str, tuple[dict[str, str], bool]] = {
@@ -70,7 +69,7 @@ def measure(onednn: bool, workload: str = "conv") -> float:
     cpu = torch.device("cpu")
     if workload == "lm":
         params = load_params("pipelines/lm/params.yaml", LM_1M)
-        setup, batches = pipeline_workload(params, ap.Namespace(dvc_yaml=Path("-")), cpu)
+        setup, batches = pipeline_workload(params, None, cpu)
         return time_run(setup, batches, steps=6, warmup=2, device=cpu)
     conv = ap.Namespace(batch_size=32, image_size=32, channels=3, width=32)
     setup, batches = conv_workload(conv, cpu)

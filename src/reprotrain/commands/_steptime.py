@@ -15,6 +15,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -96,13 +97,19 @@ def conv_workload(args: argparse.Namespace, device: torch.device) -> tuple[Setup
 
 
 def pipeline_workload(
-    params: Params, args: argparse.Namespace, device: torch.device
+    params: Params, dvc_yaml: Path | None, device: torch.device
 ) -> tuple[Setup, Batches]:
-    """The model and data params names: its first four training batches (in dataset order)."""
+    """The model and data params names: its first four training batches (in dataset order).
+
+    ``dvc_yaml``: the pipeline whose train stage's data files are prepared first where
+    missing; ``None`` (or no such file) for data the recipe reads itself.
+    """
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
-    if args.dvc_yaml.is_file():  # inside a pipeline: its data files, prepared if missing
-        for path in stage_arguments("train", args.dvc_yaml).data:
+    if (
+        dvc_yaml is not None and dvc_yaml.is_file()
+    ):  # inside a pipeline: its data files, prepared if missing
+        for path in stage_arguments("train", dvc_yaml).data:
             ensure_prepared(path, "bench")
     recipe = resolve_recipe(params)
     source, _, linked = build(recipe)

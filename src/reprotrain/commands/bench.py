@@ -147,7 +147,7 @@ def run(params: Params, args: argparse.Namespace) -> int:
     with _steptime.modes_restored():
         for name in names:
             if name == "pipeline":
-                setup, batches = _steptime.pipeline_workload(params, args, device)
+                setup, batches = _steptime.pipeline_workload(params, args.dvc_yaml, device)
                 size = {"model": params.model.init_args, "data": params.data.init_args}
             else:
                 setup, batches = _steptime.conv_workload(args, device)

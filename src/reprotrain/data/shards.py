@@ -218,10 +218,14 @@ class ShardedDataset(Dataset):
         ]
         self._read = [field for field in range(len(self.fields)) if field not in small]
         self._held_fields = small
-        self.held = [self.fields[field] for field in small]  # names of the held fields
         self._pid: int | None = None
         self._plans: dict[int, list[tuple[int, int]]] = {}
         self._forget_held()
+
+    @property
+    def held(self) -> list[str]:
+        """Names of the held fields: read into memory a shard at a time, not streamed."""
+        return [self.fields[field] for field in self._held_fields]
 
     def _forget_held(self) -> None:
         """Empty held arrays, filled a shard at a time as this process opens it."""
