@@ -6,9 +6,9 @@ pipeline model at 2 gloo processes and the same global batch: plain DDP
 with micro-batches of B/2 (one per rank and step), of B/4 (two) and of B/8
 (four); and plain DDP with Lightning's gradient accumulation over the
 micro-batches of B/4 and B/8 (what cutting the batch costs without the
-mode). Each training times its optimizer steps on rank 0 after a warm-up epoch (from
-one step's end to the next, validation left out) and prints the median;
-this prints the medians over the repeats, each mode's ratio to plain DDP
+mode). Each training times its optimizer steps on rank 0 after a warm-up
+epoch (from one step's end to the next, validation left out) and prints
+the median; this prints the medians over the repeats, each mode's ratio to plain DDP
 (of the medians, and the median of each repeat's own ratio: the host's
 load drifts less within a repeat), on the workload's default model and on
 a wider one of about 10M parameters.

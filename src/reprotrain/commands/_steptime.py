@@ -106,9 +106,8 @@ def pipeline_workload(
     """
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
-    if (
-        dvc_yaml is not None and dvc_yaml.is_file()
-    ):  # inside a pipeline: its data files, prepared if missing
+    # Inside a pipeline: its data files, prepared if missing.
+    if dvc_yaml is not None and dvc_yaml.is_file():
         for path in stage_arguments("train", dvc_yaml).data:
             ensure_prepared(path, "bench")
     recipe = resolve_recipe(params)
