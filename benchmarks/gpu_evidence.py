@@ -14,11 +14,16 @@ the lock, and one headline per step. The steps, in order of value, within
 
 * ``twin_deterministic``: the train stage twice, ``deterministic: true``, on
   the workload (``--workload``: the language-model transformer by default,
-  ``digits`` for the CNN); are model, trace and metrics bit-identical?
+  ``digits`` for the CNN); are model, trace and metrics bit-identical? Every
+  twin step records each run's run ID and the sha256 of its model, trace and
+  metrics, so two GPU models' evidence says whether they trained the same bits.
 * ``noise_floor``: the same with ``deterministic: false``: how far they drift
   (max weight difference, first diverging step).
 * ``bench``: ``reprotrain bench`` on a GPU-sized conv workload: the cost of
   determinism in % with its 95% interval.
+* ``settings``: ``benchmarks/determinism_settings.py``: what each determinism
+  setting costs alone and together (conv and the transformer at a GPU size),
+  and which of them change the bits here.
 * ``ops``: ``reprotrain ops``: which ops have non-deterministic default paths
   here, and what determinism does to them (``ops.md`` too).
 * ``ddp_twin``: the 1-GPU DDP path (``strategy: ddp, devices: 1``) twice.
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -62,6 +68,7 @@ STEPS = (
     "twin_deterministic",
     "noise_floor",
     "bench",
+    "settings",
     "ops",
     "ddp_twin",
     "trace_overhead",
@@ -87,8 +94,12 @@ BENCH = (
     ["--batch-size", "8", "--image-size", "16", "--width", "8", "--steps", "3", "--repeats", "2"],
 )
 OPS = ([], ["--only", "Tensor.index_add_", "--repeats", "2"])
+SETTINGS = (
+    ["--rounds", "4", "--passes", "1", "--steps", "15", "--profile"],
+    ["--quick", "--rounds", "2", "--workloads", "conv"],
+)
 TRACE = (
-    ["--repeats", "3", "--epochs", "2", "--mlp-steps", "32"],
+    ["--repeats", "3", "--epochs", "2", "--mlp-steps", "128"],
     ["--repeats", "1", "--epochs", "1", "--mlp-steps", "0"],
 )
 
@@ -278,12 +289,36 @@ def compare_runs(a: Path, b: Path) -> dict[str, Any]:
     diff = compare_traces(load_trace(a / "trace.safetensors"), load_trace(b / "trace.safetensors"))
     return {
         "identical": all(equal.values()),
+        "runs": [run_digests(run) for run in (a, b)],
         "files_equal": equal,
         "max_abs_weight_diff": max((d.max_abs_diff or 0.0) for d in weights),
         "tensors_different": sum(not d.equal for d in weights),
         "first_diverging_step": diff.to_dict().get("first_step"),
         "trace": diff.to_text(),
     }
+
+
+def run_digests(run: Path) -> dict[str, Any]:
+    """What names a run's bits across hosts and GPU models: its run ID, its files' sha256."""
+    from reprotrain.hashing import sha256_file
+
+    record = run / "run.json"
+    return {
+        "run_id": read_json(record)["run_id"] if record.is_file() else None,
+        **{f"{name.split('.')[0]}_sha256": sha256_file(run / name) for name in RUN_FILES},
+    }
+
+
+def step_settings(ev: Evidence) -> dict[str, Any]:
+    raw = ev.work / "settings.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "determinism_settings.py"),
+        *SETTINGS[ev.quick],
+    ]
+    cmd += ["--device", ev.args.device, "--json", str(raw)]
+    _check(_run(cmd, ROOT, ev.env), "benchmarks/determinism_settings.py")
+    return read_json(raw)
 
 
 def step_bench(ev: Evidence) -> dict[str, Any]:
@@ -317,6 +352,8 @@ def step_trace_overhead(ev: Evidence) -> dict[str, Any]:
 def step_pytest_gpu(ev: Evidence) -> dict[str, Any]:
     junit = ev.work / "pytest-gpu.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+    if importlib.util.find_spec("xdist") is not None:  # the GPU tests are processes, mostly
+        cmd += ["-n", "4"]
     result = _run([*cmd, f"--junitxml={junit}"], ROOT, ev.env)
     _check(result, "pytest -m gpu", ok=(0, 1, 5))
     suite = ET.parse(junit).getroot()
@@ -374,6 +411,15 @@ def determinism_cost(bench: dict[str, Any]) -> str:
     return f"{cost['pct']:+.1f}% (95% CI {low:+.1f} .. {high:+.1f})"
 
 
+def settings_cost(settings: dict[str, Any], workload: str, effect: str = "") -> str:
+    """One effect of ``determinism_settings``'s report (default: the full set vs torch's
+    defaults) with its 95% interval."""
+    effects = settings["workloads"][workload]["effects"]
+    cost = effects[effect or "all four, as deterministic: true sets them"]
+    low, high = cost["ci95"]
+    return f"{cost['pct']:+.1f}% (95% CI {low:+.1f} .. {high:+.1f})"
+
+
 def not_repeatable(ops: dict[str, Any]) -> list[str]:
     """The ops whose default mode gave different bits on repeated calls."""
     return [op["name"] for op in ops["ops"] if op["default"] == "differs"]
@@ -397,6 +443,10 @@ def headline(step: str, entry: dict[str, Any]) -> str:
         return f"differ: {twin_difference(result)}"
     if step == "bench":
         return f"determinism cost {determinism_cost(result)}"
+    if step == "settings":
+        return "; ".join(
+            f"{name}: all four {settings_cost(result, name)}" for name in result["workloads"]
+        )
     if step == "ops":
         alerts = not_repeatable(result)
         return f"{len(result['ops'])} ops probed; not repeatable by default: {alerts or 'none'}"
@@ -515,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             "twin_deterministic": lambda: ev.twin("det", "deterministic=true"),
             "noise_floor": lambda: ev.twin("fast", "deterministic=false"),
             "bench": lambda: step_bench(ev),
+            "settings": lambda: step_settings(ev),
             "ops": lambda: step_ops(ev),
             "ddp_twin": lambda: ev.twin(
                 "ddp", "deterministic=true", "train.strategy=ddp", "train.devices=1"

@@ -241,3 +241,23 @@ def test_no_other_module_decides_raise_or_warn_by_mode(tmp_path: Path) -> None:
     with (planted / "resume.py").open("a") as f:
         f.write("\n\ndef _planted(mode):\n    if mode is True:\n        raise ValueError\n")
     assert _rule_copies(planted) == ["resume.py"]
+
+
+def test_fill_of_fresh_tensors_is_off_unless_asked_for_and_every_setting_says_why() -> None:
+    settings = configure_determinism(seed=5, mode=True)
+    assert settings.fill_uninitialized_memory is False
+    assert set(settings.reasons()) == {
+        "use_deterministic_algorithms",
+        "CUBLAS_WORKSPACE_CONFIG",
+        "cudnn.deterministic",
+        "cudnn.benchmark",
+        "fill_uninitialized_memory",
+    }
+    assert all(
+        reason.split(":")[0] in ("kept", "off", "off unless asked for")
+        for reason in settings.reasons().values()
+    )
+    filled = configure_determinism(seed=5, mode=True, fill_uninitialized_memory=True)
+    assert filled.fill_uninitialized_memory and torch.isnan(torch.empty(64)).all()  # the control
+    configure_determinism(seed=5, mode=True)
+    assert not torch.utils.deterministic.fill_uninitialized_memory

@@ -59,6 +59,11 @@ def test_twin_runs_are_identical_and_the_figures_are_read_from_the_runs(evidence
     twin = _load(evidence, "twin_deterministic")["result"]
     assert twin["identical"] is True and twin["max_abs_weight_diff"] == 0.0
     assert twin["first_diverging_step"] is None
+    first, second = twin["runs"]  # what compares two GPU models' evidence
+    assert first == second and first["run_id"] and len(first["model_sha256"]) == 64
+    settings = _load(evidence, "settings")["result"]["workloads"]["conv"]
+    assert settings["cells"]["library"]["same_bits_every_run"] is True
+    assert len(settings["effects"]["all four, as deterministic: true sets them"]["ci95"]) == 2
     assert _load(evidence, "ddp_twin")["result"]["identical"] is True
     bench = _load(evidence, "bench")["result"]["workloads"]["conv"]["determinism_cost"]
     assert len(bench["ci95"]) == 2

@@ -147,6 +147,7 @@ def fit_traced(
     epochs: int = 1,
     before: Sequence[L.Callback] = (),
     after: Sequence[L.Callback] = (),
+    trace_class: type[TraceCallback] = TraceCallback,
     **trace_options: Any,
 ) -> Path:
     """One deterministic CPU fit of ``make_model()`` with a TraceCallback writing ``path``.
@@ -177,7 +178,7 @@ def fit_traced(
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[*before, TraceCallback(path, **trace_options), *after],
+        callbacks=[*before, trace_class(path, **trace_options), *after],
         **settings.trainer_flags(),
     )
     try:
@@ -310,6 +311,95 @@ def test_rng_digests_are_blake2b_of_the_rng_states() -> None:
 def test_fingerprint_is_the_same_on_cuda_and_cpu(numel: int) -> None:
     t = torch.randn(numel, generator=torch.Generator().manual_seed(2))
     assert int(fingerprint(t.cuda())) == int(fingerprint(t))
+
+
+class DevicePathTrace(TraceCallback):
+    """A TraceCallback that builds its rows as on a GPU (copies kept, fingerprinted at a flush)."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._on_cpu = False
+
+
+@pytest.mark.parametrize("detail", ["default", "full"])
+def test_rows_built_as_on_a_gpu_are_the_same_bytes(tmp_path: Path, detail: str) -> None:
+    """The GPU's deferred rows (batches fingerprinted together at each flush) give the file
+    that fingerprinting each batch at its step gives; a different seed is the control."""
+    cpu = fit_traced(tmp_path / "cpu.safetensors", detail=detail)
+    as_gpu = tmp_path / "gpu.safetensors"
+    fit_traced(
+        as_gpu, before=(), after=(), detail=detail, flush_every=3, trace_class=DevicePathTrace
+    )
+    assert as_gpu.read_bytes() == cpu.read_bytes()
+    other = fit_traced(
+        tmp_path / "seed1.safetensors", seed=1, detail=detail, trace_class=DevicePathTrace
+    )
+    assert other.read_bytes() != cpu.read_bytes()
+
+
+def test_row_fingerprints_equal_each_tensors_fingerprint() -> None:
+    gen = torch.Generator().manual_seed(3)
+    for shapes in ([(64, 1024), (64,)], [(3,), (0,), (70_000,)], [(262_144,)]):
+        batches = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+        data = torch.stack([torch.cat([tensor_bytes(t) for t in b]) for b in batches])
+        sizes = [t.nbytes for t in batches[0]]
+        expected = torch.stack([fpmod.fingerprints(b, torch.device("cpu")) for b in batches])
+        assert torch.equal(fpmod.row_fingerprints(data, sizes), expected)
+    flipped = data.clone()
+    flipped[1, 5] ^= 1
+    assert not torch.equal(fpmod.row_fingerprints(flipped, sizes), expected)
+
+
+class SyncWatchedTrace(TraceCallback):
+    """A TraceCallback whose hooks from the second step on run under torch's CUDA sync debug
+    mode ("warn"); the first step makes the per-layout constants (a copy to the device each)."""
+
+    def _watched(self, watch: bool, hook: Callable[..., None], *args: Any) -> None:
+        torch.cuda.set_sync_debug_mode("warn" if watch else "default")
+        try:
+            hook(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._watched(len(self._host) >= 1, super().on_train_batch_start, *args)
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self._watched(len(self._host) >= 2, super().on_before_optimizer_step, *args)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._watched(len(self._host) >= 2, super().on_train_batch_end, *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_default_trace_never_synchronises_the_gpu_within_a_step(tmp_path: Path) -> None:
+    """Rows stay on the device until a flush: no hook of a step waits for the GPU.
+
+    Weights rows included (step 32 of 40); the flush is past the fit's end.
+    """
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(40 * BATCH_SIZE, 8, generator=gen), torch.zeros(320).long())
+    trace = SyncWatchedTrace(tmp_path / "t.safetensors", flush_every=1000)
+    trainer = L.Trainer(
+        accelerator="gpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[trace],
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyNet(), DataLoader(data, batch_size=BATCH_SIZE))
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if _is_sync(w)]
+    assert not syncs, "\n".join(syncs)
+    assert load_trace(tmp_path / "t.safetensors").num_steps == 40
+    # The control: the same watch sees a read of a device value.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trace._watched(True, lambda: torch.ones(1, device="cuda").item())
+    assert any(_is_sync(w) for w in caught)
+
+
+def _is_sync(warning: warnings.WarningMessage) -> bool:
+    return "called a synchronizing CUDA operation" in str(warning.message)
 
 
 # -- the callback and its file ---------------------------------------------------------

@@ -17,6 +17,17 @@ data, seed, hardware model and torch/CUDA/cuDNN build, training then gives the
 same bits on every run. Across GPU models, CPU vs GPU, or library versions it
 does not: floating-point rounding differs there.
 
+What each setting buys and costs, and why it is kept (:data:`SETTING_REASONS`,
+also in every :class:`DeterminismSettings`; measured per setting by
+``benchmarks/determinism_settings.py``): the one setting not kept is torch's
+``fill_uninitialized_memory``, which writes NaN into every ``torch.empty``
+output first. It changes no bits of a program that reads no uninitialized
+memory (torch's own documentation says so, and the benchmark shows the same
+weights with and without it on the conv and transformer workloads, CPU and
+GPU), and it cost 3% per step on the conv workload on an H200. A program that
+does read uninitialized memory shows as NOT REPRODUCIBLE in ``reprotrain
+verify``; ``fill_uninitialized_memory=True`` turns torch's fill back on.
+
 What it refuses: two things cannot be fixed from inside a running process,
 so it checks them and fails closed (:class:`DeterminismError`) in ``True``
 mode, and warns in ``"warn"`` mode:
@@ -59,6 +70,19 @@ Mode = bool | Literal["warn"]
 CUBLAS_DETERMINISTIC_CONFIGS = (":4096:8", ":16:8")
 FIXED_HASH_SEED = "0"
 _HASH_PROBE = "reprotrain-hash-probe"
+#: Why each setting of ``mode=True`` is as it is (see the module docstring).
+SETTING_REASONS = {
+    "use_deterministic_algorithms": "kept: ops with a non-deterministic default kernel (the "
+    "CUDA embedding and scatter backward, for instance) switch to a deterministic one or raise",
+    "CUBLAS_WORKSPACE_CONFIG": "kept: torch refuses cuBLAS calls under deterministic algorithms "
+    "without it; :4096:8, the faster of the two values torch accepts",
+    "cudnn.deterministic": "kept: deterministic cuDNN kernels (deterministic algorithms already "
+    "imply them; the flag is for code that reads it)",
+    "cudnn.benchmark": "off: autotuning times kernels at run time, so a rerun may pick another "
+    "kernel and other bits",
+    "fill_uninitialized_memory": "off unless asked for: changes the bits only of a program that "
+    "reads uninitialized memory (verify finds one), and costs a write of every fresh tensor",
+}
 #: The CUBLAS_WORKSPACE_CONFIG in force when a call found CUDA not yet started.
 _cublas_before_cuda: str | None = None
 
@@ -98,6 +122,7 @@ class DeterminismSettings:
     deterministic_algorithms_warn_only: bool
     cudnn_deterministic: bool
     cudnn_benchmark: bool
+    fill_uninitialized_memory: bool
     seed_workers: bool
     cpu_profile: dict[str, Any] | None
     problems: tuple[str, ...]
@@ -107,6 +132,12 @@ class DeterminismSettings:
         out = asdict(self)
         out["problems"] = list(self.problems)
         return out
+
+    def reasons(self) -> dict[str, str]:
+        """Why each setting is as it is in this mode (:data:`SETTING_REASONS` when on)."""
+        if self.mode is False:
+            return {"all": "fast mode: no determinism setting, cuDNN autotuning on"}
+        return dict(SETTING_REASONS)
 
     def trainer_flags(self) -> dict[str, Any]:
         """``deterministic`` and ``benchmark`` for ``lightning.Trainer``, matching this mode."""
@@ -185,7 +216,10 @@ def _check_preconditions(hash_ok: bool, cuda_up: bool) -> list[str]:
 
 
 def configure_determinism(
-    seed: int, mode: Mode = True, cpu_profile: CpuProfile | None = None
+    seed: int,
+    mode: Mode = True,
+    cpu_profile: CpuProfile | None = None,
+    fill_uninitialized_memory: bool = False,
 ) -> DeterminismSettings:
     """Seed everything and apply the determinism flags for ``mode``; return what is in force.
 
@@ -193,6 +227,8 @@ def configure_determinism(
     non-deterministic ops become warnings) or ``False`` (fast: autotuning on).
     ``cpu_profile`` (:mod:`reprotrain.cpuprofile`) also fixes the CPU kernels and
     threads; its variables must have been exported at process start.
+    ``fill_uninitialized_memory``: torch's fill of fresh tensors under deterministic
+    algorithms (off by default: :data:`SETTING_REASONS`).
     Raises :class:`DeterminismError` in ``True`` mode when a precondition in
     the module docstring (or of the profile) does not hold.
     """
@@ -216,6 +252,7 @@ def configure_determinism(
 
     seed_everything(seed, workers=True, verbose=False)
     torch.use_deterministic_algorithms(enabled, warn_only=mode == "warn")
+    torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized_memory
     torch.backends.cudnn.deterministic = enabled
     torch.backends.cudnn.benchmark = not enabled
 
@@ -230,6 +267,7 @@ def configure_determinism(
         deterministic_algorithms_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
         cudnn_deterministic=torch.backends.cudnn.deterministic,
         cudnn_benchmark=torch.backends.cudnn.benchmark,
+        fill_uninitialized_memory=torch.utils.deterministic.fill_uninitialized_memory,
         seed_workers=os.environ.get("PL_SEED_WORKERS") == "1",
         cpu_profile=None if cpu_profile is None else cpu_profile.record(),
         problems=tuple(problems),

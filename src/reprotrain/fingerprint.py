@@ -34,6 +34,7 @@ __all__ = [
     "fingerprints",
     "host_bytes",
     "host_fingerprints",
+    "row_fingerprints",
     "tensor_bytes",
 ]
 
@@ -43,7 +44,9 @@ _SMALL_BYTES = 64 * _BLOCK  # tensors up to this size share one batched computat
 _HOST_BYTES = 1024 * _BLOCK  # CPU tensors up to this size are fingerprinted with numpy
 _CPU_SLICE_ROWS = 512  # rows of a large CPU tensor converted to float32 at a time
 _tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+_float_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # W, W as float32
 _groups: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+_layouts: dict[tuple[object, ...], torch.Tensor] = {}  # (device, sizes) -> c[j] per leaf, int32
 _host_table: list[np.ndarray] = [np.zeros(0, dtype=np.uint32)]  # c[j] on the host, grown
 _host_groups: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 # dtypes whose tensors .numpy() can read, giving the same bytes as tensor_bytes
@@ -88,6 +91,14 @@ def _weights(device: torch.device, rows: int) -> tuple[torch.Tensor, ...]:
     return cached
 
 
+def _float_weights(w: torch.Tensor) -> torch.Tensor:
+    """W as float32 on its device, converted once (a per-step trace calls this every step)."""
+    cached = _float_tables.get(w.device)
+    if cached is None or cached[0] is not w:
+        cached = _float_tables[w.device] = (w, w.to(torch.float32))
+    return cached[1]
+
+
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's raw bits as a flat int8 tensor (a view when it is contiguous)."""
     flat = tensor.detach().contiguous().reshape(-1)
@@ -102,9 +113,9 @@ def _large(data: torch.Tensor) -> torch.Tensor:
         body = data[: rows * _BLOCK].view(rows, _BLOCK)
         # |partial sum| <= 1024 * 128 * 63 < 2**24: exact in float32 in any order, even TF32
         if data.device.type == "cpu":
-            sums = _cpu_row_sums(body, w.to(torch.float32))
+            sums = _cpu_row_sums(body, _float_weights(w))
         else:
-            sums = (body.to(torch.float32) @ w.to(torch.float32)).to(torch.int32)
+            sums = (body.to(torch.float32) @ _float_weights(w)).to(torch.int32)
         total = (sums * r[:rows]).sum(dtype=torch.int64)  # int32 products wrap mod 2**32
     else:
         total = torch.zeros((), dtype=torch.int64, device=data.device)
@@ -273,14 +284,58 @@ def fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -> torch
         return torch.zeros(0, dtype=torch.int64, device=device)
     if device.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
         return torch.tensor(host_fingerprints(tensors), dtype=torch.int64)
+    data = [tensor_bytes(t) for t in tensors]
+    small = [i for i, d in enumerate(data) if d.numel() <= _SMALL_BYTES and d.device == device]
+    parts: dict[int, torch.Tensor] = {}
+    if small:
+        parts = dict(zip(small, _small([data[i] for i in small], device).unbind(), strict=True))
+    ordered = [parts[i] if i in parts else _on_device(d, device) for i, d in enumerate(data)]
+    return torch.stack(ordered) & _LOW32
+
+
+def _on_device(data: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """:func:`_large` of one byte tensor, its value moved to ``device``.
+
+    Only a CPU tensor's GEMM runs on one thread: setting torch's thread count
+    costs about a millisecond on a many-core host, and a device's kernels do not
+    use those threads, so a per-step trace on a GPU must not pay it.
+    """
+    if not data.is_cpu:
+        return _large(data).to(device)
     with _one_thread():
-        data = [tensor_bytes(t) for t in tensors]
-        small = [i for i, d in enumerate(data) if d.numel() <= _SMALL_BYTES and d.device == device]
-        parts: dict[int, torch.Tensor] = {}
-        if small:
-            parts = dict(zip(small, _small([data[i] for i in small], device).unbind(), strict=True))
-        ordered = [parts[i] if i in parts else _large(d).to(device) for i, d in enumerate(data)]
-        return torch.stack(ordered) & _LOW32
+        return _large(data).to(device)
+
+
+def row_fingerprints(data: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """Fingerprints of tensors laid side by side in each row of ``data``, all rows at once.
+
+    ``data``: int8, ``rows x sum(sizes)``, each row the :func:`tensor_bytes` of
+    tensors of ``sizes`` bytes (each at most 1 MiB), one after another. Returns
+    int64 ``rows x len(sizes)`` in ``[0, 2**32)``: the values :func:`fingerprints`
+    gives each tensor, in a fixed handful of kernels whatever the number of rows
+    (a trace fingerprints the batches of many steps this way, at a flush).
+    """
+    sizes = tuple(sizes)
+    coefficients = _layout_coefficients(data.device, sizes)
+    # int32 products wrap mod 2**32 (the residue is all that counts); the int64 sums of
+    # at most 2**20 of them are exact.
+    products = data.to(torch.int32) * coefficients
+    parts = products.split(list(sizes), dim=1)
+    return torch.stack([p.sum(dim=1, dtype=torch.int64) for p in parts], dim=1) & _LOW32
+
+
+def _layout_coefficients(device: torch.device, sizes: tuple[int, ...]) -> torch.Tensor:
+    """c[0..n) for each size n, concatenated, as int32 on ``device`` (made once per layout)."""
+    cached = _layouts.get((device, sizes))
+    if cached is None:
+        if max(sizes, default=0) > _HOST_BYTES:
+            raise ValueError(f"row_fingerprints takes tensors of at most {_HOST_BYTES} bytes")
+        table = _host_coefficients(max(sizes, default=0))
+        host = np.concatenate([np.zeros(0, np.uint32), *(table[:n] for n in sizes)])
+        if len(_layouts) > 256:  # batches of ever-new shapes must not grow this forever
+            _layouts.clear()
+        cached = _layouts[device, sizes] = torch.from_numpy(host.view(np.int32)).to(device)
+    return cached
 
 
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:

@@ -134,6 +134,13 @@ def time_run(
 
     A LightningModule's step is its ``training_step``; a bare network's, cross-entropy.
     """
+    return timed_training(setup, batches, steps, warmup, device)[0]
+
+
+def timed_training(
+    setup: Setup, batches: Batches, steps: int, warmup: int, device: torch.device
+) -> tuple[float, nn.Module]:
+    """:func:`time_run`'s median step time, and the model those steps trained."""
     model, optimizer = setup()
     model.train()
     lightning = hasattr(model, "training_step")
@@ -153,7 +160,7 @@ def time_run(
         _sync(device)
         if step >= warmup:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), model
 
 
 def paired_step_times(

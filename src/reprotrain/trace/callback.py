@@ -19,6 +19,16 @@ bits, computed on the tensors' device, kept there until every ``flush_every``
 rows. The same run gives the same trace file, byte for byte, whatever
 ``flush_every`` and wherever the rows were built.
 
+On a GPU a step never waits for the device (``torch.cuda.set_sync_debug_mode``
+finds no synchronising call in a step's hooks: ``tests/test_trace.py``), and
+it launches as few kernels as it can, since a small model's step is bound by
+the host launching kernels: it copies a batch of up to 1 MiB into one buffer
+and the loss as float64 (two kernels), and keeps both; every ``flush_every``
+rows the kept batches are fingerprinted together, a few kernels for all of
+them (:func:`~reprotrain.fingerprint.row_fingerprints`), and the rows read to
+the host at once. Weight rows are fingerprinted at their step. The rows are
+the same bytes as when every step fingerprinted its own batch.
+
 On CPU, where a small model's step is short and each library call in a hook
 costs several microseconds (the step has pushed the hook's code and data out
 of the caches), a row is Python ints and a step does only what cannot wait:
@@ -71,11 +81,14 @@ from reprotrain.fingerprint import (
     fingerprints,
     host_bytes,
     host_fingerprints,
+    row_fingerprints,
+    tensor_bytes,
 )
 from reprotrain.hashing import safetensors_metadata
 from reprotrain.trace.finalstate import FINAL_PARTS, final_fingerprints, final_state
 from reprotrain.trace.rngstate import RngDigests, capture_rng, rng_states
 from reprotrain.trace.rows import (
+    DeviceBatch,
     KeptBatch,
     Mixer,
     batch_leaves,
@@ -93,6 +106,10 @@ DEFAULT_WEIGHTS_EVERY = 32
 _HOST_COLUMNS = ("step", "epoch", "batch_idx", "weights_traced", "rng")
 #: A CPU batch up to this size is kept as bytes and fingerprinted with up to _KEEP_ROWS others.
 _KEEP_BYTES, _KEEP_ROWS = 64 * 1024, 64
+#: A device batch up to this size is copied and fingerprinted at the flush, with the others.
+_KEEP_DEVICE_BYTES = 1024 * 1024
+#: At a flush, kept device batches are fingerprinted this many bytes of them at a time.
+_FLUSH_BYTES = 16 * 1024 * 1024
 
 
 class TraceCallback(Callback):
@@ -133,13 +150,13 @@ class TraceCallback(Callback):
         # On CPU the rows are Python ints until a flush: no torch kernel per row for them.
         self._on_cpu = self._device.type == "cpu"
         self._mix = Mixer([tensor_key(n, p.dtype, tuple(p.shape)) for n, p in named], self._device)
-        self._batch_mixers: dict[tuple[object, ...], tuple[Mixer, bool]] = {}
+        self._batch_mixers: dict[tuple[object, ...], tuple[Mixer, str]] = {}
         self._rng_sources = tuple(rng_states())
         self._rng_digests = RngDigests(self._rng_sources if self.detail == "full" else ())
         width = 2 + (2 * len(named) if self.detail == "full" else 0)
         self._untraced = torch.zeros(width, dtype=torch.int64, device=self._device)
         self._untraced_row = [0] * width
-        self._pending: list[Any] = []  # device tensors; on CPU lists of ints
+        self._pending: list[Any] = []  # (batch, loss, weights) of device rows; on CPU lists
         self._kept: list[list[Any]] = []  # CPU rows, to finish: KeptBatch, loss as a float
         self._unhashed: list[list[Any]] = []  # host rows whose rng columns are an RngCapture
         self._flushed: list[np.ndarray] = []
@@ -210,26 +227,38 @@ class TraceCallback(Callback):
         self._host.append(row)
         self._unhashed.append(row)
 
-    def _fingerprint_batch(self, batch: Any) -> torch.Tensor | int | KeptBatch:
-        """The batch column: on the device; on CPU a copy of a small batch's bits, for later."""
+    def _fingerprint_batch(self, batch: Any) -> torch.Tensor | int | KeptBatch | DeviceBatch:
+        """The batch column, or a copy of a small batch's bits to fingerprint later."""
         leaves = batch_leaves(batch)
-        signature = tuple((p, t.dtype, t.shape, t.is_cpu) for p, t in leaves)
-        mix, keep = self._batch_mixers.get(signature) or self._batch_mixer(signature)
+        signature = tuple((p, t.dtype, t.shape, t.device) for p, t in leaves)
+        mix, how = self._batch_mixers.get(signature) or self._batch_mixer(signature)
         tensors = [t for _, t in leaves]
-        if keep:
+        if how == "keep":
             return KeptBatch(mix, [host_bytes(t) for t in tensors])
+        if how == "copy":
+            return DeviceBatch(signature, torch.cat([tensor_bytes(t) for t in tensors]))
         if self._on_cpu:
             return mix.host(host_fingerprints(tensors))
         return mix(fingerprints(tensors, self._device))
 
-    def _batch_mixer(self, signature: tuple[Any, ...]) -> tuple[Mixer, bool]:
-        """The mixer of a batch layout, and whether to keep such batches' bits for later."""
+    def _batch_mixer(self, signature: tuple[Any, ...]) -> tuple[Mixer, str]:
+        """The mixer of a batch layout, and when such batches are fingerprinted.
+
+        ``keep`` (small, on CPU, traced on CPU): bits copied to the host, for later;
+        ``copy`` (small, on the trace's device): bits copied there, for the flush;
+        ``now``: at once.
+        """
         mix = Mixer(
             [tensor_key(p, dtype, tuple(shape)) for p, dtype, shape, _ in signature], self._device
         )
         size = sum(shape.numel() * dtype.itemsize for _, dtype, shape, _ in signature)
-        on_cpu = all(is_cpu for *_, is_cpu in signature)
-        self._batch_mixers[signature] = (mix, self._on_cpu and on_cpu and size <= _KEEP_BYTES)
+        if self._on_cpu and all(d.type == "cpu" for *_, d in signature) and size <= _KEEP_BYTES:
+            how = "keep"
+        elif not self._on_cpu and all(d == self._device for *_, d in signature):
+            how = "copy" if size <= _KEEP_DEVICE_BYTES else "now"
+        else:
+            how = "now"
+        self._batch_mixers[signature] = (mix, how)
         return self._batch_mixers[signature]
 
     def on_before_optimizer_step(
@@ -253,9 +282,10 @@ class TraceCallback(Callback):
             self._append_host_row(float64_value(loss))
         else:
             # float64 holds every float loss exactly: its bits are the loss bits, and the value.
-            loss = loss.detach().reshape(()).to(self._device, torch.float64).view(torch.int64)
-            weights = self._fingerprint_weights() if self._traced else self._untraced
-            self._pending.append(torch.cat([torch.stack([self._batch_fp, loss]), weights]))
+            # A copy, so a later in-place change of the loss tensor cannot reach the row.
+            loss = loss.detach().reshape(()).to(self._device, torch.float64, copy=True)
+            weights = self._fingerprint_weights() if self._traced else None
+            self._pending.append((self._batch_fp, loss, weights))
         if len(self._pending) >= self.flush_every:
             self._flush()
         elif len(self._unhashed) >= _KEEP_ROWS:
@@ -305,8 +335,34 @@ class TraceCallback(Callback):
         if self._on_cpu:
             self._flushed.append(np.array(self._pending, dtype=np.int64))
         else:
-            self._flushed.append(torch.stack(self._pending).cpu().numpy())
+            self._flushed.append(self._device_rows(self._pending).cpu().numpy())
         self._pending = []
+
+    def _device_rows(self, pending: list[Any]) -> torch.Tensor:
+        """The kept device rows as one ``rows x width`` int64 tensor, built together."""
+        batches = self._batch_column([batch for batch, _, _ in pending])
+        losses = torch.stack([loss for _, loss, _ in pending]).view(torch.int64)
+        weights = torch.stack([self._untraced if w is None else w for _, _, w in pending])
+        return torch.cat([batches[:, None], losses[:, None], weights], dim=1)
+
+    def _batch_column(self, values: list[Any]) -> torch.Tensor:
+        """Each row's batch fingerprint: kept batches of one layout fingerprinted together."""
+        column = list(values)
+        layouts: dict[tuple[Any, ...], list[int]] = {}
+        for index, value in enumerate(values):
+            if isinstance(value, DeviceBatch):
+                layouts.setdefault(value.layout, []).append(index)
+        for layout, indices in layouts.items():
+            mix = self._batch_mixers[layout][0]
+            sizes = [shape.numel() * dtype.itemsize for _, dtype, shape, _ in layout]
+            rows = max(1, _FLUSH_BYTES // max(1, sum(sizes)))
+            for start in range(0, len(indices), rows):
+                chunk = indices[start : start + rows]
+                data = torch.stack([values[i].data for i in chunk])
+                mixed = mix.rows(row_fingerprints(data, sizes))
+                for index, value in zip(chunk, mixed.unbind(), strict=True):
+                    column[index] = value
+        return torch.stack(column)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._final = final_fingerprints(final_state(pl_module, trainer.optimizers))

@@ -19,6 +19,7 @@ import torch
 from reprotrain.trace.rngstate import hash_bytes
 
 __all__ = [
+    "DeviceBatch",
     "KeptBatch",
     "Mixer",
     "batch_leaves",
@@ -57,6 +58,10 @@ class Mixer:
     def __call__(self, fps: torch.Tensor) -> torch.Tensor:
         return (fps * self._device_mult).sum() + self._offset
 
+    def rows(self, fps: torch.Tensor) -> torch.Tensor:
+        """What calling it on each row of ``fps`` (rows x tensors) gives, for all rows at once."""
+        return (fps * self._device_mult).sum(dim=1) + self._offset
+
     def host(self, fps: Sequence[int]) -> int:
         return int64(sum(map(operator.mul, fps, self._mult)) + self._offset)
 
@@ -66,6 +71,13 @@ class KeptBatch(NamedTuple):
 
     mix: Mixer
     leaves: list[bytes]
+
+
+class DeviceBatch(NamedTuple):
+    """A device batch's bits (one copy of all its tensors, side by side), until a flush."""
+
+    layout: tuple[Any, ...]
+    data: torch.Tensor
 
 
 def chain(first: Any, then: Any) -> Any:
