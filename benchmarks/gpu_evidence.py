@@ -5,12 +5,14 @@ no DVC, no network): run from the repository root with the host's packages,
 
     make gpu-evidence            # = PYTHONPATH=src python3 benchmarks/gpu_evidence.py
 
-and commit what it writes into ``docs/gpu/``. Each step runs in fresh
-processes through the real ``reprotrain`` CLI (``python -m reprotrain``) and
-writes one JSON file, ``<step>.json``; ``summary.json`` and ``summary.md``
-hold the device, driver, CUDA, cuDNN and torch build, every difference from
-the lock, and one headline per step. The steps, in order of value, within
-``--budget-s`` (a step that would start after it is recorded as skipped):
+and commit what it writes into ``docs/gpu/<GPU model>/`` (``h100``, ``h200``:
+one folder per model; ``benchmarks/gpu_rows.py`` then fills the docs' rows
+from them). Each step runs in fresh processes through the real ``reprotrain``
+CLI (``python -m reprotrain``) and writes one JSON file, ``<step>.json``;
+``summary.json`` and ``summary.md`` hold the device, driver, CUDA, cuDNN and
+torch build, every difference from the lock, and one headline per step. The
+steps, in order of value, within ``--budget-s`` (a step that would start after
+it is recorded as skipped):
 
 * ``twin_deterministic``: the train stage twice, ``deterministic: true``, on
   the workload (``--workload``: the language-model transformer by default,
@@ -50,6 +52,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -95,7 +98,7 @@ BENCH = (
 )
 OPS = ([], ["--only", "Tensor.index_add_", "--repeats", "2"])
 SETTINGS = (
-    ["--rounds", "4", "--passes", "1", "--steps", "15", "--profile"],
+    ["--rounds", "3", "--passes", "1", "--steps", "15", "--profile"],
     ["--quick", "--rounds", "2", "--workloads", "conv"],
 )
 TRACE = (
@@ -263,6 +266,12 @@ def device_facts(device: str, lock: Path) -> dict[str, Any]:
     return facts
 
 
+def device_folder(facts: dict[str, Any]) -> str:
+    """The evidence folder's name for a device: ``NVIDIA H100 80GB HBM3`` -> ``h100``."""
+    words = facts["device_name"].replace("NVIDIA", "").split()
+    return re.sub(r"[^a-z0-9.-]", "", words[0].lower()) if words else "gpu"
+
+
 def _nvidia_smi(field: str) -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
@@ -411,11 +420,14 @@ def determinism_cost(bench: dict[str, Any]) -> str:
     return f"{cost['pct']:+.1f}% (95% CI {low:+.1f} .. {high:+.1f})"
 
 
-def settings_cost(settings: dict[str, Any], workload: str, effect: str = "") -> str:
-    """One effect of ``determinism_settings``'s report (default: the full set vs torch's
-    defaults) with its 95% interval."""
-    effects = settings["workloads"][workload]["effects"]
-    cost = effects[effect or "all four, as deterministic: true sets them"]
+#: The settings step's effect that is what ``deterministic: true`` sets now (the four
+#: settings, torch's fill of fresh tensors off), against torch's defaults.
+LIBRARY_EFFECT = "all but fill_uninitialized_memory"
+
+
+def settings_cost(settings: dict[str, Any], workload: str, effect: str = LIBRARY_EFFECT) -> str:
+    """One effect of ``determinism_settings``'s report with its 95% interval."""
+    cost = settings["workloads"][workload]["effects"][effect]
     low, high = cost["ci95"]
     return f"{cost['pct']:+.1f}% (95% CI {low:+.1f} .. {high:+.1f})"
 
@@ -445,7 +457,8 @@ def headline(step: str, entry: dict[str, Any]) -> str:
         return f"determinism cost {determinism_cost(result)}"
     if step == "settings":
         return "; ".join(
-            f"{name}: all four {settings_cost(result, name)}" for name in result["workloads"]
+            f"{name}: deterministic: true {settings_cost(result, name)}"
+            for name in result["workloads"]
         )
     if step == "ops":
         alerts = not_repeatable(result)
@@ -526,7 +539,9 @@ def write_json(path: Path, value: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "gpu")
+    parser.add_argument(
+        "--out", type=Path, help="default: docs/gpu/<GPU model>/, e.g. docs/gpu/h200/"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the CPU dry run)")
     parser.add_argument("--lock", type=Path, help="lock to compare against (default by device)")
     parser.add_argument("--budget-s", type=float, default=420, help="start no step after this")
@@ -548,13 +563,15 @@ def main(argv: list[str] | None = None) -> int:
     args.lock = args.lock or ROOT / (
         "requirements.lock" if args.device == "cuda" else "requirements-cpu.lock"
     )
-    args.out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if args.work is None:
             args.work = Path(
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-evidence-"))
             )
         args.work.mkdir(parents=True, exist_ok=True)
+        if args.out is None:
+            args.out = ROOT / "docs" / "gpu" / device_folder(device_facts(args.device, args.lock))
+        args.out.mkdir(parents=True, exist_ok=True)
         ev = Evidence(args, args.work)
         shutil.copy(WORKLOADS[args.workload], ev.work / "params.yaml")
         if args.workload == "digits":  # the one recipe with a prepare step

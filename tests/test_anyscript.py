@@ -255,3 +255,39 @@ def test_a_hydra_app_needs_its_run_dir_and_its_log_alone_differs(tmp_path: Path)
     verify = ("verify", "--workdir", tmp_path / "runs3", "--", sys.executable, app)
     failed = run_cli(*verify, "hydra.run.dir={out}", cwd=tmp_path, BOOM="1")
     assert failed.returncode == 2 and "(ValueError: lr must be > 0)" in failed.stderr
+
+
+UNPOOL = """
+import sys
+import torch
+from torch.nn import functional as F
+from reprotrain.determinism import configure_determinism
+
+{setup}
+out, indices = F.max_pool2d(torch.randn(1, 1, 4, 4), 2, return_indices=True)
+F.max_unpool2d(out, indices, 2)
+"""
+
+
+def test_an_op_without_a_deterministic_kernel_is_named_with_its_line_and_the_choices(
+    tmp_path: Path,
+) -> None:
+    """torch's alert (max_unpool2d on CPU) becomes the library's line, uncut, in verify and
+    run; a script that set torch's flag itself gets the same line from its traceback."""
+    for setup in ("configure_determinism(0, True)", "torch.use_deterministic_algorithms(True)"):
+        done = _verify(tmp_path / setup[:9], script=UNPOOL.format(setup=setup))
+        assert done.returncode == 2, done.stdout + done.stderr
+        line = done.stderr.strip().splitlines()[-1]
+        assert "max_unpool" in line and "train.py:9)" in line, line
+        assert "warn mode (deterministic: warn" in line and "reruns may differ; see " in line
+    script = tmp_path / "plain.py"
+    script.write_text(UNPOOL.format(setup="configure_determinism(0, True)"))
+    done = run_cli("run", "--", sys.executable, script, cwd=tmp_path)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("reprotrain: DeterminismError: max_unpool") and "plain.py:9)" in last
+    # The control: without determinism the op runs and nothing is added.
+    script.write_text(UNPOOL.format(setup="").replace("F.max_unpool2d", "raise SystemExit(3) #"))
+    assert (
+        "DeterminismError" not in run_cli("run", "--", sys.executable, script, cwd=tmp_path).stderr
+    )

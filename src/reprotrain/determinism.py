@@ -42,6 +42,11 @@ mode, and warns in ``"warn"`` mode:
   accepted while the value an earlier call saw before CUDA started is still
   the one exported.
 
+An op with no deterministic kernel raises torch's error; after its traceback,
+a process that called :func:`configure_determinism` prints one more line
+naming the op, the line of the user's code that called it, and the choices
+(:func:`explain_nondeterministic_error`).
+
 ``mode=False`` is the fast mode: nothing is checked, deterministic algorithms
 are off and cuDNN autotuning (``benchmark``) is on. Seeding still happens.
 
@@ -58,9 +63,12 @@ import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     from reprotrain.cpuprofile import CpuProfile
 
 Mode = bool | Literal["warn"]
@@ -83,6 +91,10 @@ SETTING_REASONS = {
     "fill_uninitialized_memory": "off unless asked for: changes the bits only of a program that "
     "reads uninitialized memory (verify finds one), and costs a write of every fresh tensor",
 }
+#: torch's alert for an op without a deterministic kernel under deterministic algorithms.
+NONDETERMINISTIC_ALERT = "does not have a deterministic implementation"
+#: How the line an uncaught alert adds to the traceback starts (configure_determinism's hook).
+EXPLAINED_PREFIX = "reprotrain: DeterminismError: "
 #: The CUBLAS_WORKSPACE_CONFIG in force when a call found CUDA not yet started.
 _cublas_before_cuda: str | None = None
 
@@ -251,6 +263,8 @@ def configure_determinism(
     from lightning.fabric.utilities.seed import seed_everything
 
     seed_everything(seed, workers=True, verbose=False)
+    if enabled:
+        _install_explaining_excepthook()
     torch.use_deterministic_algorithms(enabled, warn_only=mode == "warn")
     torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized_memory
     torch.backends.cudnn.deterministic = enabled
@@ -307,15 +321,53 @@ def seed_torch(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def explain_nondeterministic_error(err: RuntimeError) -> DeterminismError | None:
-    """A :class:`DeterminismError` naming the op and the fix, if ``err`` is torch's alert."""
+def explain_nondeterministic_error(
+    err: BaseException, where: str | None = None
+) -> DeterminismError | None:
+    """A :class:`DeterminismError` naming the op, ``where`` it was called and the choices, if
+    ``err`` is torch's alert for an op with no deterministic kernel."""
     message = str(err)
-    marker = "does not have a deterministic implementation"
-    if marker not in message:
+    if NONDETERMINISTIC_ALERT not in message:
         return None
-    op = message.split(marker)[0].strip() or "an operation"
+    op = message.split(NONDETERMINISTIC_ALERT)[0].strip() or "an operation"
+    at = f" (called at {where})" if where else ""
     return DeterminismError(
-        f"{op} has no deterministic implementation on this device, so it cannot run with "
-        "deterministic: true. Fix: replace the op (or run it on the CPU), or set "
-        "deterministic: warn to run it anyway and accept that reruns may differ"
+        f"{op}{at} has no deterministic implementation on this device, so it cannot run with "
+        "deterministic: true. Choices: replace the op (or run it on the CPU), or run it in warn "
+        "mode (deterministic: warn, or configure_determinism(mode='warn')) and accept that "
+        "reruns may differ"
     )
+
+
+def user_frame(tb: TracebackType | None) -> str | None:
+    """``file:line`` of the innermost frame of ``tb`` outside torch, Lightning and reprotrain."""
+    import traceback
+
+    skipped = [
+        str(Path(module.__file__).parent)
+        for name in ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "reprotrain")
+        if (module := sys.modules.get(name)) is not None and module.__file__
+    ]
+    for frame in reversed(traceback.extract_tb(tb)):
+        if not frame.filename.startswith(tuple(skipped)) and not frame.filename.startswith("<"):
+            return f"{frame.filename}:{frame.lineno}"
+    return None
+
+
+def _install_explaining_excepthook() -> None:
+    """After the traceback of an uncaught alert, one line: :data:`EXPLAINED_PREFIX` and
+    :func:`explain_nondeterministic_error`'s text (``reprotrain run`` shows it as the last
+    line; ``verify -- CMD`` reads it from the run's log)."""
+    previous = sys.excepthook
+    if getattr(previous, "explains_nondeterministic_ops", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        previous(kind, value, tb)
+        if isinstance(value, RuntimeError):
+            explained = explain_nondeterministic_error(value, user_frame(tb))
+            if explained is not None:
+                print(EXPLAINED_PREFIX + str(explained), file=sys.stderr)
+
+    hook.explains_nondeterministic_ops = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -51,6 +51,11 @@ from reprotrain.commands._exit_codes import (
 from reprotrain.commands._rundiff import OPS_FOLDER
 from reprotrain.commands.run import command_of, launch_environment
 from reprotrain.compare.files import FileVerdict, compare_files, one_sided
+from reprotrain.determinism import (
+    EXPLAINED_PREFIX,
+    NONDETERMINISTIC_ALERT,
+    explain_nondeterministic_error,
+)
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.command import DVC_YAML
 from reprotrain.pipeline.errors import DataError
@@ -70,11 +75,38 @@ def _start(cmd: list[str], folder: Path, index: int, base: dict[str, str], extra
             raise DataError(f"{cmd[0]}: {err.strerror}; check the command after `--`") from None
     if done.returncode != 0:
         text = log.read_text(errors="replace")
-        tail = [failure_line(text)]
+        if explained := explained_alert(text):  # the whole line: op, where, choices
+            raise DataError(f"run {index} of `{shlex.join(cmd)}` exited {done.returncode}: "
+                            f"{explained}; see {log}")  # fmt: skip
         raise DataError(
-            f"run {index} of `{shlex.join(cmd)}` exited {done.returncode} ({tail[0][:200]}); "
-            f"see {log}{_interpreter_hint(text, argv[0], env)}"
+            f"run {index} of `{shlex.join(cmd)}` exited {done.returncode} "
+            f"({failure_line(text)[:200]}); see {log}{_interpreter_hint(text, argv[0], env)}"
         )
+
+
+def explained_alert(log: str) -> str | None:
+    """A failed run's explanation of torch's no-deterministic-kernel error, or None.
+
+    The line ``configure_determinism``'s hook printed; for a script that set torch's
+    flag itself, the same text made from the traceback (the innermost frame outside
+    installed packages is the caller).
+    """
+    lines = log.splitlines()
+    printed = [line for line in lines if line.startswith(EXPLAINED_PREFIX)]
+    if printed:
+        return printed[-1].removeprefix(EXPLAINED_PREFIX)
+    error = failure_line(log)
+    if NONDETERMINISTIC_ALERT not in error:
+        return None
+    frames = [m.groups() for m in _FRAME.finditer(log)]
+    own = [f"{path}:{line}" for path, line in frames if not _INSTALLED.search(path)]
+    explained = explain_nondeterministic_error(RuntimeError(error.partition(": ")[2] or error),
+                                               own[-1] if own else None)  # fmt: skip
+    return str(explained) if explained else None
+
+
+_FRAME = re.compile(r'^  File "([^"]+)", line (\d+)', re.MULTILINE)
+_INSTALLED = re.compile(r"[/\\](?:site|dist)-packages[/\\]|^<")
 
 
 def _interpreter_hint(log: str, program: str, env: Mapping[str, str]) -> str:

@@ -44,7 +44,11 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from reprotrain.atomic import atomic_write_safetensors, atomic_write_text
-from reprotrain.determinism import DeterminismSettings, explain_nondeterministic_error
+from reprotrain.determinism import (
+    DeterminismSettings,
+    explain_nondeterministic_error,
+    user_frame,
+)
 from reprotrain.distributed.ddp import RankAgreement, ddp_strategy
 from reprotrain.distributed.worldsize import WorldSizeInvariantStrategy
 from reprotrain.hashing import canonical_json, safetensors_metadata
@@ -228,7 +232,7 @@ def fit(
             _ignore_dead_loader_workers()
             directory = checkpointing.directory if checkpointing else None
             raise Interrupted(_interrupted(directory, got["signal"])) from None
-        explained = explain_nondeterministic_error(err)  # type: ignore[arg-type]
+        explained = explain_nondeterministic_error(err, user_frame(err.__traceback__))
         if explained is None:
             raise
         raise explained from None
