@@ -303,8 +303,10 @@ def test_non_deterministic_op_is_named_with_the_fix(
     code = cli.main([*_train_argv(prepared, tmp_path, env_record), *native])
     err = capsys.readouterr().err
     assert code == 3
-    assert "scatter_add_cuda_kernel has no deterministic implementation" in err
-    assert "deterministic: warn" in err
+    # the op, the user's line that called it (not torch's or Lightning's), the choices
+    line = forward.__code__.co_firstlineno + 1
+    assert "scatter_add_cuda_kernel (called at " in err and f"test_resume.py:{line})" in err
+    assert "has no deterministic implementation" in err and "deterministic: warn" in err
     assert not (tmp_path / "model.safetensors").exists()
 
 
