@@ -55,8 +55,9 @@ repro: venv ## Run both pipelines (dvc repro): the digits default and the langua
 	$(BIN)/dvc repro pipelines/lm/dvc.yaml
 
 # Test files run in parallel (pytest-xdist), one file per worker at a time, so module
-# fixtures (a training run shared by a file's tests) are built once.
-PYTEST_PARALLEL ?= -n auto --dist loadfile
+# fixtures (a training run shared by a file's tests) are built once; --durations lists
+# the slowest tests, so a CI log shows where the time goes.
+PYTEST_PARALLEL ?= -n auto --dist loadfile --durations=15
 # One intra-op thread per process in the quick suite: with one xdist worker per core,
 # two threads each only contend (measured on 2 cores: 316 s -> 263 s of pytest). Every
 # comparison in it is between runs made under the same setting, so no guarantee changes.

@@ -36,7 +36,7 @@ from reprotrain.distributed.ddp import set_threads_per_rank, this_rank
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline import training
 from reprotrain.pipeline.config import Params, load_params
-from reprotrain.pipeline.data import save_prepared
+from reprotrain.pipeline.prepared import save_prepared
 from reprotrain.pipeline.rawdata import load_raw
 from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.pipeline.stages import prepare

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from reprotrain.hashing import sha256_file
-from reprotrain.pipeline.data import load_prepared
+from reprotrain.pipeline.prepared import load_prepared
 from tests.helpers import ROOT, run_cli, run_in_process
 
 

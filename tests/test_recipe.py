@@ -231,5 +231,5 @@ def test_installed_third_party_classes_add_no_code_and_reprotrain_adds_its_impor
     assert code_files(boring) == []
     classifier = code_files(_model({"class_path": CLASSIFIER}, FROM_DATA))
     relative = {path.as_posix().split("src/reprotrain/")[-1] for path in classifier}
-    assert {"recipes/digits.py", "pipeline/data.py"} <= relative
+    assert {"recipes/digits.py", "pipeline/prepared.py"} <= relative
     assert "pipeline/recipe.py" not in relative

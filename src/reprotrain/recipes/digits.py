@@ -38,7 +38,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 from reprotrain.distributed.worldsize import sample_integers
-from reprotrain.pipeline.data import load_prepared
+from reprotrain.pipeline.prepared import load_prepared
 
 #: A dropout probability: >= 0 and < 1.
 Probability = restricted_number_type("Probability", float, [(">=", 0), ("<", 1)])

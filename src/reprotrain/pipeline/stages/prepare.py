@@ -21,7 +21,7 @@ from reprotrain.pipeline.errors import DataError
 if TYPE_CHECKING:  # numpy and torch load when the stage runs, not when the CLI reads it
     import numpy as np
 
-    from reprotrain.pipeline.data import PreparedData
+    from reprotrain.pipeline.prepared import PreparedData
 
 #: The params.yaml keys this stage reads; dvc.yaml lists exactly these.
 PARAMS = ("seed", "prepare")
@@ -52,7 +52,7 @@ COMMAND = Command(
 
 
 def run(params: Params, args: argparse.Namespace) -> str:
-    from reprotrain.pipeline.data import SPLITS, save_prepared
+    from reprotrain.pipeline.prepared import SPLITS, save_prepared
     from reprotrain.pipeline.rawdata import load_raw
 
     if params.prepare is None:
@@ -74,7 +74,7 @@ def split(
     import numpy as np
     import torch
 
-    from reprotrain.pipeline.data import SPLITS, PreparedData
+    from reprotrain.pipeline.prepared import SPLITS, PreparedData
     from reprotrain.pipeline.rawdata import split_sizes
 
     _, n_val, n_test = split_sizes(len(y), data, source)
