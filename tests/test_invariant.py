@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch.nn import functional as F
 
 from reprotrain.distributed.worldsize import (
@@ -295,3 +296,43 @@ def test_gpu_one_process_and_two_processes_give_the_same_bits(tmp_path: Path) ->
     one = _script(tmp_path / "gpu1.safetensors", "1", "--gpu")
     two = _script(tmp_path / "gpu2.safetensors", "2", "--gpu")
     assert sha256_file(one) == sha256_file(two)
+
+
+BN_MODEL = """
+import torch
+from reprotrain.recipes.language_model import TinyGPT
+
+
+class NormedGPT(TinyGPT):
+    def __init__(self, vocab_size: int, block_size: int, track: bool = True) -> None:
+        super().__init__(vocab_size, block_size)
+        self.norm = torch.nn.BatchNorm1d(64, track_running_stats=track)
+"""
+
+
+def test_the_env_stage_refuses_batch_norm_under_invariance_before_any_output_goes(
+    tmp_path: Path,
+) -> None:
+    """One line at ``env``, which runs before DVC deletes a later stage's outputs; the model
+    is built on the meta device with the data module's linked sizes. Control: without
+    running statistics, or with the mode off, the same model passes."""
+    (tmp_path / "bnpkg").mkdir()
+    (tmp_path / "bnpkg" / "__init__.py").write_text("")
+    (tmp_path / "bnpkg" / "model.py").write_text(BN_MODEL)
+    lm = yaml.safe_load((ROOT / "pipelines/lm/params.yaml").read_text())
+    lm["model"] = {"class_path": "bnpkg.model.NormedGPT", "init_args": {}}
+    lm["train"]["world_size_invariant"] = True
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(lm))
+    args = ("env", "--lock", ROOT / "requirements-cpu.lock", "--out", tmp_path / "env.json")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    refused = run_cli(*args, cwd=tmp_path, **env)
+    assert refused.returncode == 2, refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert "world_size_invariant: true" in lines[0] and "norm: batch norm with running" in lines[0]
+    assert "track_running_stats=False" in lines[0] and not (tmp_path / "env.json").exists()
+    for init_args, invariant in (({"track": False}, True), ({}, False)):
+        lm["model"]["init_args"], lm["train"]["world_size_invariant"] = init_args, invariant
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(lm))
+        passed = run_cli(*args, cwd=tmp_path, **env)
+        assert passed.returncode == 0, passed.stderr

@@ -166,3 +166,14 @@ def test_the_verdict_names_which_pairs_of_runs_differ() -> None:
     assert _verdict([pair("run-2", True), pair("run-3", False)]) == (
         "NOT REPRODUCIBLE (3 runs; differ: run-1 vs run-3)"
     )
+
+
+def test_world_sizes_take_words_or_a_comma_list_and_refuse_other_text() -> None:
+    from reprotrain.cli import build_parser
+
+    parser = build_parser()
+    for words in (["1", "2", "4"], ["1,2,4"], ["1,2", "4"]):
+        assert parser.parse_args(["verify", "--world-sizes", *words]).world_sizes == [1, 2, 4]
+    with pytest.raises(SystemExit) as refused:
+        parser.parse_args(["verify", "--world-sizes", "1,x"])
+    assert refused.value.code == 2

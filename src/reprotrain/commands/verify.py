@@ -87,15 +87,33 @@ _SCRIPT_ONLY = {
 }
 
 
+def world_sizes(text: str) -> list[int]:
+    """``2`` or ``1,2,4``: the world sizes one ``--world-sizes`` word names."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: world sizes are whole numbers, as `--world-sizes 1 2` or `1,2`"
+        ) from None
+
+
+class Flattened(argparse.Action):
+    """Stores the lists of every word of an option as one list."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, [n for part in values for n in part])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=2, help="fresh training runs (>= 2)")
     parser.add_argument(
         "--world-sizes",
         metavar="N",
-        type=int,
+        type=world_sizes,
         nargs="+",
+        action=Flattened,
         help="one run per world size N (train.devices=N, ddp above 1), instead of --runs: "
-        "with train.world_size_invariant they must be identical",
+        "with train.world_size_invariant they must be identical; `1 2 4` or `1,2,4`",
     )
     parser.add_argument("--against", metavar="REV", help="compare a fresh run with REV's outputs")
     parser.add_argument(

@@ -220,6 +220,23 @@ def _tree_reduce_hook(strategy, bucket):  # type: ignore[no-untyped-def]
     return strategy.combine_ranks(buffer, bucket.index())
 
 
+def refuse_tracked_batch_norm(module: nn.Module) -> str | None:
+    """Why ``module`` cannot train world-size invariant, or None: batch norm layers that
+    track running statistics (every rank would keep its own; the model saves rank 0's)."""
+    tracked = [
+        name
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+    ]
+    if not tracked:
+        return None
+    return (
+        f"{', '.join(tracked)}: batch norm with running statistics is not world-size invariant "
+        "(they would be rank 0's); use track_running_stats=False or GroupNorm, or set "
+        "train.world_size_invariant: false"
+    )
+
+
 class WorldSizeInvariantStrategy(DDPStrategy):
     """Lightning's DDP with micro-batch gradients added in one fixed tree (see the module doc).
 
@@ -266,16 +283,8 @@ class WorldSizeInvariantStrategy(DDPStrategy):
                 f"invariant training of {self.micro_batches} micro-batches on {self.world_size} "
                 f"ranks needs {expected}"
             )
-        tracked = [
-            name
-            for name, m in trainer.lightning_module.named_modules()
-            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
-        ]
-        if tracked:
-            raise ValueError(
-                f"{', '.join(tracked)}: batch norm with running statistics is not world-size "
-                "invariant (they would be rank 0's); use track_running_stats=False or GroupNorm"
-            )
+        if problem := refuse_tracked_batch_norm(trainer.lightning_module):
+            raise ValueError(problem)
         super().setup(trainer)
 
     def batch_to_device(

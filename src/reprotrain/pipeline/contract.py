@@ -27,7 +27,8 @@ from typing import Any
 
 from reprotrain.pipeline.config import ConfigError, Params, check_invariant_layout
 from reprotrain.pipeline.data import map_style
-from reprotrain.pipeline.recipe import Recipe
+from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.recipe import Recipe, linked_arguments
 
 #: Data module methods the pipeline calls after ``setup``; each returns a map-style dataset.
 DATASETS = ("train_dataset", "val_dataset", "test_dataset")
@@ -117,3 +118,30 @@ def check_datasets(datamodule: Any) -> None:
 def _overrides(cls: type, base: type, name: str) -> bool:
     """Whether ``cls`` (or a class between it and ``base``) defines ``name`` itself."""
     return getattr(cls, name, None) is not getattr(base, name, None)
+
+
+def check_world_size_invariance(params: Params, recipe: Recipe) -> None:
+    """Under ``train.world_size_invariant``, refuse a model with batch norm that tracks running
+    statistics, in one line, before DVC deletes any output (the env stage calls it).
+
+    The model is built on the meta device (no memory, whatever its size), with its linked
+    arguments from the data module set up for ``fit``; where that setup cannot run yet
+    (the prepared data it reads is made later), the train stage refuses instead.
+    """
+    if not params.train.world_size_invariant:
+        return
+    import torch
+
+    from reprotrain.distributed.worldsize import refuse_tracked_batch_norm
+
+    try:
+        linked = linked_arguments(recipe)[1] if recipe.model.provided else {}
+    except (OSError, DataError):  # the data is not there yet: train checks the model
+        return
+    with torch.device("meta"):
+        model = recipe.model.instantiate(**linked)
+    if problem := refuse_tracked_batch_norm(model):
+        raise ConfigError(
+            f"train.world_size_invariant: true, but model.class_path: {recipe.model.class_path} "
+            f"has {problem}"
+        )

@@ -137,6 +137,12 @@ def resolve_recipe(params: Params) -> Recipe:
 
 def build(recipe: Recipe, stage: str = "fit") -> tuple[Any, Any, dict[str, Any]]:
     """The data module (set up for ``stage``), the model, and the linked arguments' values."""
+    datamodule, linked = linked_arguments(recipe, stage)
+    return datamodule, recipe.model.instantiate(**linked), linked
+
+
+def linked_arguments(recipe: Recipe, stage: str = "fit") -> tuple[Any, dict[str, Any]]:
+    """The data module (set up for ``stage``) and the values of the model's linked arguments."""
     datamodule = recipe.data.instantiate()
     datamodule.setup(stage)
     linked = {}
@@ -147,7 +153,7 @@ def build(recipe: Recipe, stage: str = "fit") -> tuple[Any, Any, dict[str, Any]]
                 f"has no attribute {name!r} after setup({stage!r}); set it in setup"
             )
         linked[name] = json.loads(json.dumps(getattr(datamodule, name)))
-    return datamodule, recipe.model.instantiate(**linked), linked
+    return datamodule, linked
 
 
 def rebuild_model(record: Mapping[str, Any], source: str) -> Any:
