@@ -199,8 +199,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def top_kernels(flags: Flags, setup: Any, batches: Any, device: Any) -> list[dict[str, Any]]:
-    """The device kernels that took the most time over 5 steps (after 3) under ``flags``."""
-    import torch
+    """The device kernels that took the most time over 5 steps (after 3) under ``flags``
+    (on the CPU: the ops). Each step ends synchronised (``timed_training``)."""
     from torch.profiler import ProfilerActivity, profile
 
     from reprotrain.commands._steptime import timed_training
@@ -210,11 +210,11 @@ def top_kernels(flags: Flags, setup: Any, batches: Any, device: Any) -> list[dic
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (device.type == "cuda")
     with profile(activities=activities) as prof:
         timed_training(setup, batches, 5, 0, device)
-    torch.cuda.synchronize() if device.type == "cuda" else None
     rows = []
     for event in prof.key_averages():
-        self_us = getattr(event, "self_device_time_total", 0) or 0
-        if device.type == "cpu":
+        if device.type == "cuda":
+            self_us = getattr(event, "self_device_time_total", 0) or 0
+        else:
             self_us = event.self_cpu_time_total
         rows.append(
             {"name": event.key[:120], "self_ms_per_step": self_us / 5e3, "calls": event.count}

@@ -111,11 +111,15 @@ class Evidence:
     """The workspace, the device facts, and the steps' outputs."""
 
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
-        self.args, self.work, self.out = args, work, args.out
+        """``args.out`` None: the GPU model's folder under docs/gpu/ (:func:`device_folder`)."""
         self.quick = int(args.quick)
         self.accelerator = "gpu" if args.device == "cuda" else "cpu"
         self.env = {**os.environ, "PYTHONPATH": _pythonpath(), "CI": "1"}
         self.facts = device_facts(args.device, args.lock)
+        if args.out is None:
+            args.out = ROOT / "docs" / "gpu" / device_folder(self.facts)
+        args.out.mkdir(parents=True, exist_ok=True)
+        self.args, self.work, self.out = args, work, args.out
         self.started = time.monotonic()
 
     def cli(self, *argv: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -569,9 +573,6 @@ def main(argv: list[str] | None = None) -> int:
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-evidence-"))
             )
         args.work.mkdir(parents=True, exist_ok=True)
-        if args.out is None:
-            args.out = ROOT / "docs" / "gpu" / device_folder(device_facts(args.device, args.lock))
-        args.out.mkdir(parents=True, exist_ok=True)
         ev = Evidence(args, args.work)
         shutil.copy(WORKLOADS[args.workload], ev.work / "params.yaml")
         if args.workload == "digits":  # the one recipe with a prepare step

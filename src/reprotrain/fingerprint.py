@@ -294,15 +294,9 @@ def fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -> torch
 
 
 def _on_device(data: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """:func:`_large` of one byte tensor, its value moved to ``device``.
-
-    Only a CPU tensor's GEMM runs on one thread: setting torch's thread count
-    costs about a millisecond on a many-core host, and a device's kernels do not
-    use those threads, so a per-step trace on a GPU must not pay it.
-    """
-    if not data.is_cpu:
-        return _large(data).to(device)
-    with _one_thread():
+    """:func:`_large` of one byte tensor, its value moved to ``device``; a CPU tensor's
+    GEMM on one thread (a device's kernels use no CPU threads, so none is switched)."""
+    with _one_thread() if data.is_cpu else contextlib.nullcontext():
         return _large(data).to(device)
 
 
