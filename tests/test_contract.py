@@ -66,6 +66,11 @@ class OwnLoader(Data):
         return torch.utils.data.DataLoader(self.train_dataset(), shuffle=True)
 
 
+class OnlyTrainLoader(L.LightningDataModule):
+    def train_dataloader(self) -> object:
+        return torch.utils.data.DataLoader(TensorDataset(torch.zeros(8, 3)), batch_size=4)
+
+
 class NoTestDataset(L.LightningDataModule):
     def __init__(self, batch_size: int = 4, num_workers: int = 0) -> None:
         super().__init__()
@@ -94,7 +99,16 @@ class Streaming(Data):
 def user_module() -> Iterator[None]:
     """These classes as a user's module, ``usercontract``, importable by class path."""
     module = types.ModuleType("usercontract")
-    for cls in (Model, NoTestStep, Data, OwnLoader, NoTestDataset, LinksAbsent, Streaming):
+    for cls in (
+        Model,
+        NoTestStep,
+        Data,
+        OwnLoader,
+        OnlyTrainLoader,
+        NoTestDataset,
+        LinksAbsent,
+        Streaming,
+    ):
         setattr(module, cls.__name__, cls)
     sys.modules["usercontract"] = module
     yield
@@ -128,10 +142,13 @@ def test_a_module_that_meets_the_contract_passes() -> None:
     check_recipe(params, resolve_recipe(params))  # the control for every refusal below
 
 
-def test_a_data_module_with_its_own_loader_is_refused() -> None:
-    message = _refusal(_params(data="OwnLoader"))
-    assert message.startswith("data.class_path: usercontract.OwnLoader defines its own")
-    assert "train_dataloader" in message and "return the dataset from train_dataset()" in message
+def test_a_data_module_with_its_own_loaders_meets_the_contract() -> None:
+    check_recipe(*(lambda p: (p, resolve_recipe(p)))(_params(data="OwnLoader")))
+
+
+def test_a_data_module_with_neither_a_loader_nor_a_dataset_for_a_split_is_refused() -> None:
+    message = _refusal(_params(data="OnlyTrainLoader", model_args={"num_classes": 2}))
+    assert "defines neither val_dataloader() nor val_dataset()" in message
 
 
 def test_a_model_without_test_step_is_refused() -> None:
@@ -141,7 +158,7 @@ def test_a_model_without_test_step_is_refused() -> None:
 
 def test_a_data_module_without_a_dataset_method_is_refused() -> None:
     message = _refusal(_params(data="NoTestDataset", model_args={"num_classes": 2}))
-    assert "has no test_dataset()" in message
+    assert "defines neither test_dataloader() nor test_dataset()" in message
 
 
 def test_a_link_to_an_argument_the_model_lacks_is_refused() -> None:

@@ -11,12 +11,14 @@ refused there. :func:`check_datasets` looks at the datasets a set-up data
 module gives; the train stage runs it before the first step (an iterable
 dataset cannot be resumed mid-epoch, sharded or cut into micro-batches).
 
-Why the data module gives datasets and never its own loaders: the training
-order is where bitwise reruns, mid-epoch resume, DDP sharding and
-world-size invariance live, so the pipeline builds every loader
-(:class:`~reprotrain.pipeline.data.PipelineLoaders`). A data module with its
-own ``train_dataloader`` (its own sampler or shuffle) could keep none of
-them after a SIGTERM, which any run may meet, so it is refused in every mode.
+A data module either builds its own loaders (``train_dataloader()``...,
+as Lightning's docs write them) or gives datasets (``train_dataset()``...).
+Own loaders are taken apart and rebuilt with the pipeline's seeded order
+(:mod:`reprotrain.pipeline.own_loaders`); one whose order cannot be replaced
+(an iterable dataset, a custom sampler) keeps bitwise reruns, and the
+guarantees that need the pipeline's order are refused by name:
+:func:`check_loaders` does it in the ``env`` stage where the data module can
+be set up there, the train stage otherwise.
 """
 
 from __future__ import annotations
@@ -28,14 +30,18 @@ from typing import Any
 from reprotrain.pipeline.config import ConfigError, Params, check_invariant_layout
 from reprotrain.pipeline.data import map_style
 from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.own_loaders import (
+    ORDER_GUARANTEES,
+    OwnLoader,
+    defines_own_loader,
+    own_loader,
+)
 from reprotrain.pipeline.recipe import Recipe, linked_arguments
 
-#: Data module methods the pipeline calls after ``setup``; each returns a map-style dataset.
-DATASETS = ("train_dataset", "val_dataset", "test_dataset")
-#: Data module arguments the pipeline reads to build the loaders.
+#: The splits; for each, a data module defines ``<split>_dataloader`` or ``<split>_dataset``.
+SPLITS = ("train", "val", "test")
+#: Arguments of a data module that gives datasets, with which the pipeline builds its loaders.
 LOADER_ARGUMENTS = ("batch_size", "num_workers")
-#: Lightning hooks a data module must leave to the pipeline.
-LOADER_HOOKS = ("train_dataloader", "val_dataloader", "test_dataloader")
 DOCS = "docs/your-model.md"
 
 
@@ -53,29 +59,26 @@ def check_recipe(params: Params, recipe: Recipe) -> None:
             raise ConfigError(
                 f"model.class_path: {model.class_path} defines no {hook}; {why} ({DOCS})"
             )
-    for hook in LOADER_HOOKS:
-        if _overrides(data.cls, L.LightningDataModule, hook):
+    gives_datasets = []
+    for split in SPLITS:
+        if defines_own_loader(data.cls, split):
+            continue
+        if not callable(getattr(data.cls, f"{split}_dataset", None)):
             raise ConfigError(
-                f"data.class_path: {data.class_path} defines its own {hook}; its sampler and "
-                "shuffle would decide the order, which then survives no mid-epoch resume, DDP "
-                f"sharding or world-size invariance: return the dataset from "
-                f"{hook.replace('dataloader', 'dataset')}() and reprotrain builds the loader "
-                f"({DOCS})"
+                f"data.class_path: {data.class_path} defines neither {split}_dataloader() nor "
+                f"{split}_dataset(); the pipeline trains, validates and tests on all three "
+                f"splits ({DOCS})"
             )
-    for method in DATASETS:
-        if not callable(getattr(data.cls, method, None)):
-            raise ConfigError(
-                f"data.class_path: {data.class_path} has no {method}(); the pipeline builds "
-                f"its loaders from the datasets {', '.join(m + '()' for m in DATASETS)} give "
-                f"after setup(stage) ({DOCS})"
-            )
-    for name in LOADER_ARGUMENTS:
-        if type(data.init_args.get(name)) is not int:
-            raise ConfigError(
-                f"data.class_path: {data.class_path} takes no integer argument {name!r}; the "
-                f"pipeline builds the loaders with the data module's {', '.join(LOADER_ARGUMENTS)}"
-                f" ({DOCS})"
-            )
+        gives_datasets.append(split)
+    if gives_datasets and not defines_own_loader(data.cls, "train"):
+        for name in LOADER_ARGUMENTS:
+            if type(data.init_args.get(name)) is not int:
+                raise ConfigError(
+                    f"data.class_path: {data.class_path} gives datasets but takes no integer "
+                    f"argument {name!r}; the pipeline builds those loaders with "
+                    f"{' and '.join(LOADER_ARGUMENTS)} (or define your own *_dataloader()) "
+                    f"({DOCS})"
+                )
     parameters = inspect.signature(model.cls.__init__).parameters
     for name in model.provided:
         if name not in parameters:
@@ -83,7 +86,7 @@ def check_recipe(params: Params, recipe: Recipe) -> None:
                 f"data.class_path: {data.class_path} links {name!r} to the model (model_links), "
                 f"but {model.class_path} takes no argument {name!r}; add it or drop the link"
             )
-    if params.train.world_size_invariant:
+    if params.train.world_size_invariant and type(data.init_args.get("batch_size")) is int:
         check_invariant_layout(params.train, data.init_args["batch_size"], "params")
 
 
@@ -110,9 +113,50 @@ def check_data_files(recipe: Recipe, data: list[Path]) -> None:
 
 
 def check_datasets(datamodule: Any) -> None:
-    """Refuse a set-up data module whose datasets are not map-style (see module doc)."""
-    for method in DATASETS:
-        map_style(getattr(datamodule, method)(), method.removesuffix("_dataset"))
+    """Refuse a set-up data module whose ``<split>_dataset()`` is not map-style (no own loader)."""
+    for split in SPLITS:
+        if not defines_own_loader(type(datamodule), split):
+            map_style(getattr(datamodule, f"{split}_dataset")(), split)
+
+
+def order_refusal(params: Params, train_loader: OwnLoader | None) -> str | None:
+    """Why ``params`` asks for a guarantee the module's own training order cannot give; None
+    when the loader's order is the pipeline's (or the module gives datasets)."""
+    if train_loader is None:
+        return None
+    if train_loader.kept_order is not None:
+        if params.train.strategy == "ddp" and not params.train.world_size_invariant:
+            return train_loader.refusal(ORDER_GUARANTEES[1])
+        if params.train.world_size_invariant:
+            return train_loader.refusal(ORDER_GUARANTEES[2])
+        return None
+    if params.train.world_size_invariant:
+        if not train_loader.shuffle:
+            return (
+                f"{ORDER_GUARANTEES[2]} draws one seeded global order, but "
+                f"{train_loader.where} asks for no shuffle; shuffle it or leave the mode off"
+            )
+        check_invariant_layout(params.train, int(train_loader.batch_size or 0), train_loader.where)
+    return None
+
+
+def check_loaders(params: Params, recipe: Recipe) -> None:
+    """Refuse, in the env stage, a guarantee the data module's own training loader cannot give.
+
+    The data module is set up for ``fit`` and its ``train_dataloader()`` taken apart; where
+    that cannot run yet (the prepared data it reads is made later), the train stage refuses.
+    """
+    if not defines_own_loader(recipe.data.cls, "train"):
+        return
+    if params.train.strategy != "ddp" and not params.train.world_size_invariant:
+        return
+    try:
+        datamodule = linked_arguments(recipe)[0]
+        loader = own_loader(datamodule, "train")
+    except (OSError, DataError):  # the data is not there yet: train checks it
+        return
+    if problem := order_refusal(params, loader):
+        raise ConfigError(f"data.class_path: {recipe.data.class_path}: {problem}")
 
 
 def _overrides(cls: type, base: type, name: str) -> bool:

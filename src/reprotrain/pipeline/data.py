@@ -3,10 +3,11 @@
 The prepared dataset file is :mod:`reprotrain.pipeline.prepared` (no Lightning
 there, so the ``prepare`` stage starts without it).
 
-A user's data module gives datasets (``train_dataset()``, ``val_dataset()``,
-``test_dataset()``, docs/your-model.md); :class:`PipelineLoaders` wraps it
-and builds every loader, because the order of the training data is where
-the guarantees live:
+A user's data module builds its own loaders (``train_dataloader()``...), or
+gives datasets (``train_dataset()``, ``val_dataset()``, ``test_dataset()``);
+:class:`PipelineLoaders` wraps it and rebuilds or builds every loader with the
+user's arguments (:mod:`reprotrain.pipeline.own_loaders`) and the pipeline's
+order, because the order of the training data is where the guarantees live:
 
 Data order is pinned by a ``torch.Generator`` seeded from ``seed`` and owned
 by the wrapper (``train_generator``), so it does not depend on how much
@@ -49,6 +50,7 @@ import contextlib
 import random
 import signal
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -57,6 +59,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from reprotrain.distributed.worldsize import MicroBatchSampler, sample_seed
 from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.own_loaders import ORDER_GUARANTEES, OwnLoader, own_loader
 
 
 class SampleSeeded(Dataset):
@@ -91,10 +94,14 @@ class SampleSeeded(Dataset):
 
 
 class PipelineLoaders(L.LightningDataModule):
-    """A user's data module's datasets in the loaders the guarantees need (module doc).
+    """A user's data module's loaders, rebuilt with the order the guarantees need (module doc).
 
     ``source`` must be set up already (the train stage does it, to link its
     attributes to the model's arguments): this wrapper only builds loaders.
+    For each split it takes the module's own ``<split>_dataloader()`` apart
+    (:mod:`reprotrain.pipeline.own_loaders`) or, where the module gives
+    ``<split>_dataset()`` instead, builds the loader with its ``batch_size``
+    and ``num_workers`` (attributes or ``hparams``).
     """
 
     def __init__(
@@ -106,17 +113,56 @@ class PipelineLoaders(L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.source = source
-        self.batch_size = int(source.batch_size)  # type: ignore[attr-defined]
-        self.num_workers = int(source.num_workers)  # type: ignore[attr-defined]
-        self.collate_fn = getattr(source, "collate_fn", None)
         self.seed = seed
         self.shard = shard
         self.micro_batch_size = micro_batch_size
         self.train_generator = torch.Generator().manual_seed(seed)
+        self._own: dict[str, OwnLoader | None] = {}
+
+    def own(self, split: str) -> OwnLoader | None:
+        """The source's own ``<split>_dataloader()`` taken apart (asked once); None without."""
+        if split not in self._own:
+            self._own[split] = own_loader(self.source, split)
+        return self._own[split]
+
+    @property
+    def batch_size(self) -> int:
+        """The training batch size: the own loader's, else the data module's ``batch_size``."""
+        own = self.own("train")
+        if own is not None:
+            if own.batch_size is None:
+                raise DataError(own.refusal("a batch size the pipeline can split"))
+            return own.batch_size
+        return _argument(self.source, "batch_size")
+
+    @property
+    def kept_order(self) -> OwnLoader | None:
+        """The own training loader whose order stays the module's (used as it is), if so."""
+        own = self.own("train")
+        return own if own is not None and own.kept_order is not None else None
 
     def train_dataloader(self) -> DataLoader:
-        dataset = map_style(self.source.train_dataset(), "train")  # type: ignore[attr-defined]
+        own = self.own("train")
+        if own is not None and own.kept_order is not None:
+            if self.shard:
+                raise DataError(own.refusal(ORDER_GUARANTEES[1]))
+            if self.micro_batch_size is not None:
+                raise DataError(own.refusal(ORDER_GUARANTEES[2]))
+            return own.loader
+        if own is None:
+            dataset = map_style(self.source.train_dataset(), "train")  # type: ignore[attr-defined]
+            chosen = _chosen(self.source)
+            shuffle, drop_last = True, False
+        else:
+            dataset, chosen = own.dataset, {**own.arguments, "persistent_workers": False}
+            shuffle, drop_last = own.shuffle, own.drop_last
         if self.micro_batch_size is not None:
+            if not shuffle:
+                raise DataError(
+                    f"{own.where if own else 'train_dataset()'} asks for no shuffle, but "  # type: ignore[union-attr]
+                    f"{ORDER_GUARANTEES[2]} draws one seeded global order; shuffle it, or "
+                    "leave world-size invariance off (docs/your-model.md)"
+                )
             if not getattr(dataset, "accepts_sample_keys", False):
                 dataset = SampleSeeded(dataset)
             rank, ranks = self.trainer.global_rank, self.trainer.world_size
@@ -124,48 +170,65 @@ class PipelineLoaders(L.LightningDataModule):
                 len(dataset), self.batch_size, self.micro_batch_size, rank, ranks,
                 self.train_generator,
             )  # fmt: skip
-            return self._loader(dataset, batch_sampler=micro_batches)
+            return self._loader(dataset, chosen, batch_sampler=micro_batches)
         if not self.shard:
-            return self._loader(dataset, shuffle=True)
+            return self._loader(dataset, chosen, shuffle=shuffle, drop_last=drop_last, train=True)
         rank, ranks = self.trainer.global_rank, self.trainer.world_size
-        return self._loader(
-            dataset, sampler=ShardSampler(len(dataset), rank, ranks, self.train_generator)
-        )
+        sampler = ShardSampler(len(dataset), rank, ranks, self.train_generator, shuffle=shuffle)
+        return self._loader(dataset, chosen, sampler=sampler, drop_last=drop_last)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(map_style(self.source.val_dataset(), "val"))  # type: ignore[attr-defined]
+        return self._evaluation_loader("val")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(map_style(self.source.test_dataset(), "test"))  # type: ignore[attr-defined]
+        return self._evaluation_loader("test")
+
+    def _evaluation_loader(self, split: str) -> DataLoader:
+        """The module's own loader with its own sampler (workers ignoring stop signals where it
+        is a plain DataLoader), or one over its ``<split>_dataset()`` in order."""
+        own = self.own(split)
+        if own is None:
+            dataset = map_style(getattr(self.source, f"{split}_dataset")(), split)
+            return self._loader(dataset, _chosen(self.source))
+        if own.kept_order is not None:
+            return own.loader
+        return WorkersIgnoreStopSignals(
+            own.dataset, batch_size=own.batch_size, drop_last=own.drop_last,
+            sampler=own.loader.sampler, generator=own.loader.generator, **own.arguments,
+        )  # fmt: skip
 
     def _loader(
         self,
         dataset: Dataset,
+        chosen: dict[str, Any],
         shuffle: bool = False,
         sampler: Sampler[int] | None = None,
         batch_sampler: Sampler[list] | None = None,
+        drop_last: bool = False,
+        train: bool = False,
     ) -> DataLoader:
-        """Training loaders (shuffled or sharded) take ``train_generator``, which seeds workers."""
-        common = {"num_workers": self.num_workers, "collate_fn": self.collate_fn}
+        """Training loaders (shuffled, in order or sharded) take ``train_generator``, which
+        seeds workers; ``chosen`` is what the data module decided (workers, collate_fn...)."""
         if batch_sampler is not None:
             return ResumableLoader(
                 dataset,
                 consumed=self._batches_trained,
                 batch_sampler=batch_sampler,
                 generator=self.train_generator,
-                **common,
+                **chosen,
             )
-        if shuffle or sampler is not None:
+        if train or sampler is not None:
             return ResumableLoader(
                 dataset,
                 consumed=self._batches_trained,
                 batch_size=self.batch_size,
                 shuffle=shuffle,
                 sampler=sampler,
+                drop_last=drop_last,
                 generator=self.train_generator,
-                **common,
+                **chosen,
             )
-        return WorkersIgnoreStopSignals(dataset, batch_size=self.batch_size, **common)
+        return WorkersIgnoreStopSignals(dataset, batch_size=self.batch_size, **chosen)
 
     def _batches_trained(self) -> int:
         """Training batches of the current epoch whose step has run (Lightning's count)."""
@@ -176,18 +239,48 @@ def first_batches(source: L.LightningDataModule, count: int) -> list[object]:
     """The first ``count`` training batches in dataset order (no shuffle, no workers).
 
     For measurements on a step (``reprotrain bench``, ``reprotrain locate``):
-    real batches of the data module, the same on every call.
+    real batches of the data module, the same on every call (from its own
+    loader as it is, where its order is its own).
     """
-    dataset = map_style(source.train_dataset(), "train")  # type: ignore[attr-defined]
-    loader = DataLoader(
-        dataset, batch_size=int(source.batch_size), collate_fn=getattr(source, "collate_fn", None)
-    )  # type: ignore[attr-defined]
+    own = own_loader(source, "train")
+    if own is not None and own.kept_order is not None:
+        loader: object = own.loader
+    elif own is not None:
+        collate = own.arguments.get("collate_fn")
+        loader = DataLoader(own.dataset, batch_size=own.batch_size, collate_fn=collate)  # type: ignore[arg-type]
+    else:
+        dataset = map_style(source.train_dataset(), "train")  # type: ignore[attr-defined]
+        batch_size = _argument(source, "batch_size")
+        loader = DataLoader(dataset, batch_size=batch_size, **_chosen(source, workers=False))
     batches = []
-    for batch in loader:
+    for batch in loader:  # type: ignore[attr-defined]
         if len(batches) == count:
             break
         batches.append(batch)
     return batches
+
+
+def _argument(source: L.LightningDataModule, name: str) -> int:
+    """A data module's integer ``name``: its attribute, else ``self.hparams`` (what
+    ``save_hyperparameters()`` keeps); a DataError naming it when it has neither."""
+    value = getattr(source, name, None)
+    if value is None:
+        value = getattr(source, "hparams", {}).get(name)
+    if type(value) is not int:
+        raise DataError(
+            f"{type(source).__name__} has no integer {name} (attribute or hparams); a data "
+            f"module that gives datasets needs batch_size and num_workers, or build your own "
+            "*_dataloader() (docs/your-model.md)"
+        )
+    return value
+
+
+def _chosen(source: L.LightningDataModule, workers: bool = True) -> dict[str, Any]:
+    """The DataLoader arguments a data module that gives datasets decides."""
+    chosen: dict[str, Any] = {"collate_fn": getattr(source, "collate_fn", None)}
+    if workers:
+        chosen["num_workers"] = _argument(source, "num_workers")
+    return chosen
 
 
 def map_style(dataset: object, split: str) -> Dataset:
@@ -287,18 +380,26 @@ class ShardSampler(Sampler[int]):
 
     Every rank must hold a generator in the same state: they then draw the
     same permutation and take disjoint shares. The permutation is padded with
-    its first samples so every rank gets ``ceil(size / world_size)``.
+    its first samples so every rank gets ``ceil(size / world_size)``. With
+    ``shuffle=False`` (a data module's own loader that asked for none) the
+    order is the dataset's, shared out the same way.
     """
 
-    def __init__(self, size: int, rank: int, world_size: int, generator: torch.Generator) -> None:
+    def __init__(
+        self, size: int, rank: int, world_size: int, generator: torch.Generator,
+        shuffle: bool = True,
+    ) -> None:  # fmt: skip
         self.size, self.rank, self.world_size = size, rank, world_size
-        self.generator = generator
+        self.generator, self.shuffle = generator, shuffle
         self.per_rank = -(-size // world_size)
 
     def __len__(self) -> int:
         return self.per_rank
 
     def __iter__(self) -> Iterator[int]:
-        order = torch.randperm(self.size, generator=self.generator).tolist()
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=self.generator).tolist()
+        else:
+            order = list(range(self.size))
         order += order[: self.per_rank * self.world_size - self.size]
         return iter(order[self.rank :: self.world_size])

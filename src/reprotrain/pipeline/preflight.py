@@ -72,6 +72,7 @@ class PlannedOutputs:
 class Sizes:
     """What the estimates need from the resolved model and data arguments."""
 
+    #: ``data.init_args.batch_size``; 1 (the largest trace) where the data module has none.
     batch_size: int
     #: The digits CNN's channels and hidden width; None for any other module.
     cnn: tuple[int, int] | None
@@ -83,7 +84,8 @@ class Sizes:
         cnn = None
         if model.class_path == DEFAULT_MODEL.class_path:
             cnn = (int(model.init_args["channels"]), int(model.init_args["hidden"]))
-        return cls(int(recipe.data.init_args["batch_size"]), cnn)
+        batch_size = recipe.data.init_args.get("batch_size")  # else the loader's: unknown here
+        return cls(batch_size if type(batch_size) is int and batch_size > 0 else 1, cnn)
 
 
 def network_parameters(cnn: tuple[int, int], shape: tuple[int, int, int], classes: int) -> int:

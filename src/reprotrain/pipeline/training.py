@@ -53,10 +53,11 @@ from reprotrain.distributed.ddp import RankAgreement, ddp_strategy
 from reprotrain.distributed.worldsize import WorldSizeInvariantStrategy
 from reprotrain.hashing import canonical_json, safetensors_metadata
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.contract import check_datasets
+from reprotrain.pipeline.contract import check_datasets, order_refusal
 from reprotrain.pipeline.curves import CurveCheckpoint, MemoryLogger, TrainLossLogger
 from reprotrain.pipeline.data import PipelineLoaders
-from reprotrain.pipeline.errors import Interrupted
+from reprotrain.pipeline.errors import DataError, Interrupted
+from reprotrain.pipeline.own_loaders import OwnLoader
 from reprotrain.pipeline.preflight import check_accelerator
 from reprotrain.pipeline.recipe import Recipe, build
 from reprotrain.pipeline.run_record import without_num_workers
@@ -190,6 +191,10 @@ def fit(
         shard=ddp and not invariant,
         micro_batch_size=cfg.micro_batch_size if invariant else None,
     )
+    if problem := order_refusal(params, datamodule.own("train")):
+        raise DataError(problem)
+    if (kept := datamodule.kept_order) is not None:
+        checkpointing = None  # its order cannot be resumed: every run starts from the first step
     strategy, accumulate = _strategy(params, datamodule.batch_size)
     logger = MemoryLogger()
     resume_from = checkpointing.resume_from if checkpointing else None
@@ -230,6 +235,8 @@ def fit(
         # DataLoader-worker error comes first when the signal reached the workers too.
         if trainer.received_sigterm:
             _ignore_dead_loader_workers()
+            if kept is not None:
+                raise Interrupted(_not_resumable(kept, got["signal"])) from None
             directory = checkpointing.directory if checkpointing else None
             raise Interrupted(_interrupted(directory, got["signal"])) from None
         explained = explain_nondeterministic_error(err, user_frame(err.__traceback__))
@@ -351,6 +358,13 @@ def _interrupted(checkpoint_dir: Path | None, name: str) -> str:
     return (
         f"training interrupted ({name}); {where}: rerun the same "
         "command or `dvc repro` to resume, with the same bits as an uninterrupted run"
+    )
+
+
+def _not_resumable(kept: OwnLoader, name: str) -> str:
+    return (
+        f"training interrupted ({name}); no checkpoint kept: {kept.refusal('resume')}. "
+        "Rerun to train from the first step, to the same bits"
     )
 
 

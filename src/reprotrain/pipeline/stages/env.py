@@ -147,13 +147,18 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
     record = whole_environment(args.lock, params)
     checked = ""
     if args.out is not None or args.raw_dir is not None:
-        from reprotrain.pipeline.contract import check_recipe, check_world_size_invariance
+        from reprotrain.pipeline.contract import (
+            check_loaders,
+            check_recipe,
+            check_world_size_invariance,
+        )
         from reprotrain.pipeline.preflight import Sizes, preflight
         from reprotrain.pipeline.recipe import resolve_recipe
 
         recipe = resolve_recipe(params)
         check_recipe(params, recipe)
         check_world_size_invariance(params, recipe)
+        check_loaders(params, recipe)
         checked = f"; checked {recipe.model.class_path} and {recipe.data.class_path}"
         if args.raw_dir is not None:
             flags = record[HOST_KEY]["cpu"]["dispatch_flags"]
