@@ -16,9 +16,10 @@ in its own copy of it (:func:`project`) and has a negative control:
   and differ without it;
 - SIGTERM mid-epoch then the same command again gives the uninterrupted run's
   bits, and a checkpoint whose random state is not the one at the signal does not;
-- the contract refuses, in one line, a data module with its own loader, a
-  model without ``test_step`` and a class that does not exist before DVC deletes
-  an output, and an iterable training dataset before the first step (the
+- the contract refuses, in one line, a data module with neither a loader nor a
+  dataset for a split, a model without ``test_step`` and a class that does not
+  exist before DVC deletes an output, and an iterable training dataset before
+  the first step (the
   unmodified example, which passes both checks, is :func:`wine_repo`'s run).
 """
 
@@ -410,17 +411,14 @@ def test_sigterm_mid_epoch_then_the_same_command_gives_the_uninterrupted_bits(
 
 #: name -> (file, old, new, what the one error line says: the key and class, and why)
 REFUSED_BEFORE_DELETION = {
-    "a data module with its own train_dataloader": (
+    "a data module with neither a loader nor a dataset for a split": (
         "wine/data.py",
-        "    def train_dataset(self)",
-        "    def train_dataloader(self) -> torch.utils.data.DataLoader:\n"
-        "        return torch.utils.data.DataLoader(\n"
-        "            self.train_dataset(), batch_size=self.batch_size, shuffle=True\n"
-        "        )\n\n"
-        "    def train_dataset(self)",
+        "    def val_dataset(self)",
+        "    def validation_dataset(self)",
         (
-            "data.class_path: wine.data.WineData defines its own train_dataloader",
-            "survives no mid-epoch resume",
+            "data.class_path: wine.data.WineData defines neither val_dataloader() nor "
+            "val_dataset()",
+            "trains, validates and tests on all three splits",
         ),
     ),
     "a model without test_step": (

@@ -2,7 +2,19 @@
 
 Lightning's CSV and TensorBoard loggers write into ``version_N`` folders and
 stamp wall-clock times; neither may reach a file whose hash DVC compares. This
-one only collects ``(step, name, value)`` and lets the stage write them.
+one only collects rows and lets the stage write them: **step rows**, flushed
+once per training step (the pipeline's ``train_loss``, and what a module logs
+``on_step``), and **epoch rows**, flushed once per epoch (validation metrics,
+and training metrics a module logs ``on_epoch``). :class:`MetricLevels` tells
+the logger which kind Lightning flushes next.
+
+Names are the module's own (``train/loss``, ``val/acc``, a torchmetrics
+metric's name). The pipeline's ``train_loss`` (the loss each step returned)
+is logged under :data:`LOGGED_LOSS`, so a module's own ``train_loss`` stays
+apart (Lightning would merge two ``self.log`` calls of one name from two hooks,
+silently); the rule: a module's metric named like one the pipeline writes
+(:data:`PIPELINE_NAMES`) is written as ``module/<name>``.
+
 :class:`CurveCheckpoint` keeps the rows in checkpoints, so a resumed run's
 curves are those of an uninterrupted one.
 """
@@ -16,16 +28,38 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
+from torchmetrics import Metric
 
+from reprotrain.distributed.ddp import gather_from_ranks, own_entry
 from reprotrain.distributed.worldsize import step_loss
+
+#: The pipeline's own curve: the loss each training step returned.
+TRAIN_LOSS = "train_loss"
+#: Names the pipeline writes in train_metrics.json itself.
+PIPELINE_NAMES = (TRAIN_LOSS, "epochs", "steps")
+#: Where a module's metric named like one of :data:`PIPELINE_NAMES` goes.
+MODULE_PREFIX = "module/"
+#: The name the pipeline's loss is logged under inside Lightning (written as ``train_loss``).
+LOGGED_LOSS = "reprotrain/train_loss"
+STEP, EPOCH, SKIP = "step", "epoch", "skip"
+
+
+def written_name(logged: str) -> str:
+    """The name a logged metric is written under (module doc)."""
+    if logged == LOGGED_LOSS:
+        return TRAIN_LOSS
+    return MODULE_PREFIX + logged if logged in PIPELINE_NAMES else logged
 
 
 class MemoryLogger(Logger):
-    """Collects logged scalars; ``rows(name)`` returns ``[(step, value), ...]``."""
+    """Collects logged scalars as ``(level, index, name, value)`` rows: ``level`` is
+    ``"step"`` (index: the step) or ``"epoch"`` (index: the epoch)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._rows: list[tuple[int, str, float]] = []
+        self._rows: list[tuple[str, int, str, float]] = []
+        #: What Lightning flushes next (set by :class:`MetricLevels`) and the epoch it is in.
+        self.level, self.epoch = STEP, 0
 
     @property
     def name(self) -> str:
@@ -41,30 +75,92 @@ class MemoryLogger(Logger):
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        for name, value in metrics.items():
-            if name != "epoch":
-                self._rows.append((int(step or 0), name, float(value)))
+        if self.level == SKIP:
+            return
+        index = int(step or 0) if self.level == STEP else self.epoch
+        self.add(self.level, index, metrics)
 
-    def names(self) -> list[str]:
-        """Every metric name logged, in the order first logged."""
-        return list(dict.fromkeys(metric for _, metric, _ in self._rows))
+    def add(self, level: str, index: int, metrics: Mapping[str, Any]) -> None:
+        """Rows of ``metrics`` (logged names) at ``index``; a row already there stays."""
+        held = {row[:3] for row in self._rows}
+        for logged, value in metrics.items():
+            row = (level, index, written_name(logged))
+            if logged != "epoch" and row not in held:
+                self._rows.append((*row, float(value)))
 
-    def rows(self, name: str) -> list[tuple[int, float]]:
-        return [(step, value) for step, metric, value in self._rows if metric == name]
+    def names(self, level: str) -> list[str]:
+        """Every name of ``level`` rows, in the order first logged."""
+        return list(dict.fromkeys(name for lv, _, name, _ in self._rows if lv == level))
+
+    def rows(self, name: str, level: str = STEP) -> list[tuple[int, float]]:
+        return [(i, value) for lv, i, n, value in self._rows if lv == level and n == name]
+
+    def table(self, level: str, first: tuple[str, ...] = ()) -> tuple[list[str], list[list[Any]]]:
+        """Column names (``first`` first) and one row per index: ``[index, value or '', ...]``."""
+        names = [*first, *(n for n in self.names(level) if n not in first)]
+        cells: dict[int, dict[str, float]] = {}
+        for lv, index, name, value in self._rows:
+            if lv == level:
+                cells.setdefault(index, {})[name] = value
+        rows = [[i, *(cells[i].get(n, "") for n in names)] for i in sorted(cells)]
+        return names, rows
+
+
+class MetricLevels(L.Callback):
+    """Tells a :class:`MemoryLogger` what Lightning flushes next: a training step's metrics
+    (after each training batch), a validation batch's (not written: validation is written
+    per epoch), or an epoch's (after validation and after the training epoch)."""
+
+    def __init__(self, logger: MemoryLogger) -> None:
+        self.logger = logger
+
+    def _set(self, trainer: L.Trainer, level: str) -> None:
+        self.logger.level, self.logger.epoch = level, trainer.current_epoch
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._set(trainer, STEP)
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._set(trainer, SKIP)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._set(trainer, EPOCH)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._set(trainer, EPOCH)
 
 
 class CurveCheckpoint(L.Callback):
     """Saves a :class:`MemoryLogger`'s rows with each checkpoint and restores them on resume.
 
-    Lightning logs a batch's step metrics after every ``on_train_batch_end``, so
-    a checkpoint written there (at SIGTERM, ``InterruptCheckpoint``) would lack
-    that batch's ``train_loss`` row: the row is kept at hand and added (under
-    DDP the ranks' mean, one small all-reduce per batch).
+    Lightning flushes what was logged after the hooks in which checkpoints are
+    written: a batch's step metrics after ``on_train_batch_end`` (where
+    ``InterruptCheckpoint`` writes at SIGTERM), a training epoch's ``on_epoch``
+    metrics after ``on_train_epoch_end`` and ``on_validation_end`` (where the
+    epoch's checkpoint is written). So the rows not flushed yet are added to
+    the checkpoint: the pipeline's ``train_loss`` (under DDP the ranks' mean, one
+    small all-reduce per batch) and what the module logged, read from the
+    training loop's results as Lightning will flush them (Lightning 2.6, the
+    version the locks pin: ``fit_loop.epoch_loop._results``).
     """
 
     def __init__(self, logger: MemoryLogger) -> None:
         self.logger = logger
-        self._pending: tuple[int, str, float] | None = None
+        self._trainer: L.Trainer | None = None
+        self._pending: tuple[int, float] | None = None
+        self._in_batch = False
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._in_batch = True
+
+    def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._in_batch = False
+
+    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._in_batch = False
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -79,16 +175,23 @@ class CurveCheckpoint(L.Callback):
         elif trainer.world_size > 1:  # the ranks' mean, as `self.log(..., sync_dist=True)` takes it
             torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.SUM)
             loss = loss / trainer.world_size
-        self._pending = (trainer.global_step - 1, "train_loss", float(loss))
+        self._pending = (trainer.global_step - 1, float(loss))
 
     def state_dict(self) -> dict[str, Any]:
-        rows = list(self.logger._rows)
-        if self._pending is not None and self._pending[:2] not in {r[:2] for r in rows}:
-            rows.append(self._pending)
-        return {"rows": [list(row) for row in rows]}
+        kept = MemoryLogger()
+        kept._rows = list(self.logger._rows)
+        if self._pending is not None:
+            kept.add(STEP, self._pending[0], {LOGGED_LOSS: self._pending[1]})
+        if self._trainer is not None:
+            results = self._trainer.fit_loop.epoch_loop._results
+            if self._in_batch and self._pending is not None:
+                kept.add(STEP, self._pending[0], results.metrics(True)["log"])
+            elif not self._in_batch:
+                kept.add(EPOCH, self._trainer.current_epoch, results.metrics(False)["log"])
+        return {"rows": [list(row) for row in kept._rows]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.logger._rows = [(int(s), str(n), float(v)) for s, n, v in state["rows"]]
+        self.logger._rows = [(str(lv), int(i), str(n), float(v)) for lv, i, n, v in state["rows"]]
 
 
 class TrainLossLogger(L.Callback):
@@ -97,8 +200,9 @@ class TrainLossLogger(L.Callback):
     Under DDP the ranks' mean (each rank's own loss is in the trace); in
     world-size-invariant mode the step's loss over every micro-batch, added
     by the fixed tree (:func:`~reprotrain.distributed.worldsize.step_loss`),
-    logged once the step's last backward ran. Modules return their loss and
-    leave this name to the pipeline (docs/your-model.md).
+    logged once the step's last backward ran. Logged as :data:`LOGGED_LOSS`,
+    written as ``train_loss`` (a module's own ``train_loss`` becomes
+    ``module/train_loss``, docs/your-model.md).
     """
 
     def on_train_batch_end(
@@ -108,11 +212,111 @@ class TrainLossLogger(L.Callback):
         if step_loss(trainer) is not None or not isinstance(outputs, Mapping):
             return
         loss = outputs["loss"].detach()
-        pl_module.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+        pl_module.log(LOGGED_LOSS, loss, on_step=True, on_epoch=False, sync_dist=True)
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         loss = step_loss(trainer)
         if loss is not None:
-            pl_module.log("train_loss", loss, on_step=True, on_epoch=False)
+            pl_module.log(LOGGED_LOSS, loss, on_step=True, on_epoch=False)
+
+
+class EpochAccumulators(L.Callback):
+    """What a module's ``on_epoch`` training metrics have summed so far, kept in a checkpoint
+    written mid-epoch and put back on resume, so the epoch's value is the uninterrupted run's.
+
+    Lightning checkpoints neither part: a tensor logged with ``on_epoch=True``
+    sums into the training loop's results (``fit_loop.epoch_loop._results``,
+    Lightning 2.6, the version the locks pin), a torchmetrics object into its
+    own states (not in the module's ``state_dict``). After a resume both would
+    start the epoch from zero. Torchmetrics objects get their states back
+    before the first step. A logged tensor's sum is put back at the end of the
+    first batch that logs it: that batch added its value to zero, which is
+    exactly its value, so ``saved + value`` is the uninterrupted run's sum to the
+    bit. Under DDP each rank keeps its own (gathered in rank order, a collective).
+    """
+
+    def __init__(self) -> None:
+        self._trainer: L.Trainer | None = None
+        self._in_batch = False
+        self._sums: dict[str, dict[str, torch.Tensor]] = {}
+        self._metrics: dict[str, dict[str, Any]] = {}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._in_batch = True
+
+    def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._in_batch = False
+
+    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._in_batch = False
+
+    def state_dict(self) -> dict[str, Any]:
+        local: dict[str, Any] = {"sums": {}, "metrics": {}}
+        if self._in_batch and self._trainer is not None:
+            local = {"sums": self._local_sums(), "metrics": self._local_metrics()}
+        return {"ranks": gather_from_ranks(local)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        local = own_entry(state["ranks"], "checkpoint holds the epoch's metric sums")
+        self._sums, self._metrics = dict(local["sums"]), dict(local["metrics"])
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for name, metric in pl_module.named_modules():
+            if isinstance(metric, Metric) and name in self._metrics:
+                saved = self._metrics[name]
+                for attr, value in saved["states"].items():
+                    moved = (
+                        [v.to(pl_module.device) for v in value]
+                        if isinstance(value, list)
+                        else value.to(pl_module.device)
+                    )
+                    setattr(metric, attr, moved)
+                metric._update_count = int(saved["updates"])
+                metric._computed = None
+        self._metrics = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if not self._sums:
+            return
+        results = trainer.fit_loop.epoch_loop._results
+        for key in [k for k in self._sums if k in results]:
+            saved, result = self._sums.pop(key), results[key]
+            value = saved["value"].to(result.value)
+            if result.meta.is_max_reduction or result.meta.is_min_reduction:
+                result.value = result.meta.reduce_fx(value, result.value)
+            else:
+                result.value = value + result.value
+            if "count" in saved:
+                result.cumulated_batch_size = saved["count"].to(result.cumulated_batch_size) + (
+                    result.cumulated_batch_size
+                )
+
+    def _local_sums(self) -> dict[str, dict[str, torch.Tensor]]:
+        results = self._trainer.fit_loop.epoch_loop._results  # type: ignore[union-attr]
+        sums = {}
+        for key, result in results.items():
+            if getattr(result, "is_tensor", False) and result.meta.on_epoch:
+                entry = {"value": result.value.detach().cpu().clone()}
+                if result.meta.is_mean_reduction:
+                    entry["count"] = result.cumulated_batch_size.detach().cpu().clone()
+                sums[key] = entry
+        return sums
+
+    def _local_metrics(self) -> dict[str, dict[str, Any]]:
+        module = self._trainer.lightning_module  # type: ignore[union-attr]
+        saved = {}
+        for name, metric in module.named_modules():
+            if isinstance(metric, Metric):
+                states = {
+                    attr: [v.detach().cpu().clone() for v in value]
+                    if isinstance(value, list)
+                    else value.detach().cpu().clone()
+                    for attr, value in metric.metric_state.items()
+                }
+                saved[name] = {"states": states, "updates": int(metric._update_count)}
+        return saved

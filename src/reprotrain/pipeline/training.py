@@ -54,7 +54,16 @@ from reprotrain.distributed.worldsize import WorldSizeInvariantStrategy
 from reprotrain.hashing import canonical_json, safetensors_metadata
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.contract import check_datasets, order_refusal
-from reprotrain.pipeline.curves import CurveCheckpoint, MemoryLogger, TrainLossLogger
+from reprotrain.pipeline.curves import (
+    EPOCH,
+    STEP,
+    TRAIN_LOSS,
+    CurveCheckpoint,
+    EpochAccumulators,
+    MemoryLogger,
+    MetricLevels,
+    TrainLossLogger,
+)
 from reprotrain.pipeline.data import PipelineLoaders
 from reprotrain.pipeline.errors import DataError, Interrupted
 from reprotrain.pipeline.own_loaders import OwnLoader
@@ -198,7 +207,7 @@ def fit(
     strategy, accumulate = _strategy(params, datamodule.batch_size)
     logger = MemoryLogger()
     resume_from = checkpointing.resume_from if checkpointing else None
-    chosen: list[L.Callback] = [TrainLossLogger(), *_op_recorder()]
+    chosen: list[L.Callback] = [MetricLevels(logger), TrainLossLogger(), *_op_recorder()]
     if ddp or invariant:
         identity = checkpointing.run_id if checkpointing else None
         facts = {"run_id": identity, "resume_from": resume_from and resume_from.name}
@@ -292,6 +301,7 @@ def _checkpoint_callbacks(
             stamp={WORKERS_KEY: checkpointing.workers} if checkpointing.workers else None,
         ),
         CurveCheckpoint(logger),
+        EpochAccumulators(),
         ModelCheckpoint(
             dirpath=checkpointing.directory,
             filename="epoch={epoch}",
@@ -396,23 +406,21 @@ def write_outputs(
             recorded["data"] = {**data, "init_args": {**data["init_args"], "num_workers": 0}}
     metadata = safetensors_metadata({"params": recorded, "determinism": settings.as_dict()})
     logger = fitted.logger
-    train_loss = logger.rows("train_loss")
-    validation = [name for name in logger.names() if name.startswith("val_")]
-    columns = [logger.rows(name) for name in validation]
+    train_loss = logger.rows(TRAIN_LOSS)
+    step_names, step_rows = logger.table(STEP, first=(TRAIN_LOSS,))
+    epoch_names, epoch_rows = logger.table(EPOCH)
+    last = {name: rows[-1][1] for name in epoch_names if (rows := logger.rows(name, EPOCH))}
     metrics = {
-        "epochs": len(columns[0]) if columns else 0,
+        "epochs": len(epoch_rows),
         "steps": len(train_loss),
-        "train_loss": train_loss[-1][1],
-        **{name: rows[-1][1] for name, rows in zip(validation, columns, strict=True) if rows},
+        TRAIN_LOSS: train_loss[-1][1],
+        **{name: logger.rows(name)[-1][1] for name in step_names if name != TRAIN_LOSS},
+        **last,
     }
     atomic_write_safetensors(args.model, weights, metadata)
     atomic_write_text(args.metrics, canonical_json(metrics))
-    atomic_write_text(args.plots / "train_loss.csv", _csv(("step", "train_loss"), train_loss))
-    val_rows = [
-        (epoch, *(value for _, value in row))
-        for epoch, row in enumerate(zip(*columns, strict=True))
-    ]
-    atomic_write_text(args.plots / "val.csv", _csv(("epoch", *validation), val_rows))
+    atomic_write_text(args.plots / "train_loss.csv", _csv(("step", *step_names), step_rows))
+    atomic_write_text(args.plots / "val.csv", _csv(("epoch", *epoch_names), epoch_rows))
     return {"model": args.model, "metrics": args.metrics}
 
 
@@ -423,6 +431,9 @@ def resolved_params(params: Params, recipe: Recipe, linked: dict[str, Any]) -> d
     return tree
 
 
-def _csv(header: tuple[str, ...], rows: list[tuple[float, ...]]) -> str:
-    lines = [",".join(header)] + [",".join(repr(v) for v in row) for row in rows]
+def _csv(header: tuple[str, ...], rows: list[list[Any]]) -> str:
+    """A CSV of ``rows`` (an empty cell where a metric was not logged); a name with a comma
+    or a quote is quoted."""
+    quoted = [f'"{h.replace(chr(34), chr(34) * 2)}"' if "," in h or '"' in h else h for h in header]
+    lines = [",".join(quoted)] + [",".join(repr(v) if v != "" else "" for v in row) for row in rows]
     return "\n".join(lines) + "\n"

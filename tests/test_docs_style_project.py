@@ -1,0 +1,219 @@
+"""A package written as Lightning's docs write one, trained through `dvc repro` as it is.
+
+``tests/projects/cancer``: own ``*_dataloader()``s, ``save_hyperparameters``
+only, a nested ``net`` given by ``class_path``, an optimizer with a scheduler,
+torchmetrics, ``train/loss``-style names, and data that no file holds
+(scikit-learn's bundled table, so no ``--data``). One ``dvc repro`` of it is
+committed once per pytest run (:func:`cancer_repo`); each test works in a copy
+and has its negative control:
+
+- the module's own metric names reach ``train_metrics.json``, the curves and
+  ``metrics.json`` (its ``test_dataloader``), beside the pipeline's ``train_loss``;
+- ``verify`` finds it IDENTICAL; a clock-seeded generator in the loader is
+  replaced by the run's order (still IDENTICAL), one in ``forward`` is not
+  (NOT REPRODUCIBLE); a changed line moves the run ID;
+- SIGTERM mid-epoch, then the same command, gives the uninterrupted bits,
+  the module's step and epoch metrics included (the control: without the
+  epoch's metric sums in the checkpoint, the same weights but other curves).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from reprotrain.hashing import sha256_file
+from reprotrain.resume import sidecar
+from tests.helpers import ROOT, built_once, commit_all, run_checked, run_cli, stage_argv
+
+pytestmark = pytest.mark.slow
+
+PACKAGE = ROOT / "tests" / "projects" / "cancer"
+LOCK = {"REPROTRAIN_LOCK": str(ROOT / "requirements-cpu.lock")}
+TRAIN_OUTPUTS = (
+    "models/model.safetensors",
+    "models/trace.safetensors",
+    "reports/train_metrics.json",
+    "reports/plots/train/train_loss.csv",
+    "reports/plots/train/val.csv",
+)
+#: 398 training samples in batches of 32: 13 steps an epoch; step 17 is epoch 1's batch 5.
+SIGTERM_STEP = 17
+SECTIONS = """\
+model:
+  class_path: cancer.model.CancerClassifier
+  init_args:
+    net:
+      class_path: cancer.model.MLP
+      init_args:
+        hidden: 16
+    lr: 0.01
+data:
+  class_path: cancer.data.CancerData
+  init_args:
+    batch_size: 32
+"""
+
+
+def _params() -> str:
+    """The wine example's params.yaml with this package's sections and 4 epochs."""
+    text = (ROOT / "examples" / "tabular" / "params.yaml").read_text()
+    head, tail = text[: text.index("model:")], text[text.index("train:") :]
+    tail = tail.replace("max_epochs: 20", "max_epochs: 4")
+    return (
+        head
+        + SECTIONS
+        + tail.replace("checkpoint_every_n_epochs: 5", "checkpoint_every_n_epochs: 2")
+    )
+
+
+def _dvc_yaml() -> str:
+    """The wine example's dvc.yaml with no data file: the package is the only dep."""
+    text = (ROOT / "examples" / "tabular" / "dvc.yaml").read_text()
+    text = text.replace("reprotrain train --data data/wine.csv", "reprotrain train")
+    text = text.replace("reprotrain evaluate --data data/wine.csv", "reprotrain evaluate")
+    text = text.replace("      - data/wine.csv\n", "").replace("      - wine\n", "      - cancer\n")
+    return text[: text.index("# Curves for")]
+
+
+@pytest.fixture(scope="module")
+def cancer_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    def build(built: Path) -> None:
+        shutil.copytree(PACKAGE, built / "cancer", ignore=shutil.ignore_patterns("__pycache__"))
+        (built / "params.yaml").write_text(_params())
+        (built / "dvc.yaml").write_text(_dvc_yaml())
+        (built / ".dvcignore").write_text("__pycache__/\n")
+        (built / ".gitignore").write_text("/checkpoints\n__pycache__/\n")
+        run_checked("git", "init", "-q", cwd=built)
+        run_checked("dvc", "init", "-q", cwd=built)
+        out = run_checked("dvc", "repro", cwd=built, **LOCK)
+        assert "checked cancer.model.CancerClassifier and cancer.data.CancerData" in out, out
+        commit_all(built, "the package as written and its run")
+
+    return built_once(tmp_path_factory.getbasetemp(), worker_id, "cancer_repo", build)
+
+
+@pytest.fixture
+def project(cancer_repo: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(cancer_repo, tmp_path / "cancer", symlinks=True))
+
+
+def _cli(repo: Path, *args: str | Path, **env: str):
+    return run_cli(*args, cwd=repo, **LOCK, **env)
+
+
+def _digests(repo: Path) -> dict[str, str]:
+    return {name: sha256_file(repo / name) for name in TRAIN_OUTPUTS}
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, (path, old)
+    path.write_text(text.replace(old, new))
+
+
+def test_the_modules_own_metric_names_reach_every_metrics_file(cancer_repo: Path) -> None:
+    metrics = json.loads((cancer_repo / "reports" / "train_metrics.json").read_text())
+    assert metrics["epochs"] == 4 and metrics["steps"] == 4 * 13
+    assert {"train_loss", "train/loss", "train/acc", "val/loss", "val/acc"} <= set(metrics)
+    curves = cancer_repo / "reports" / "plots" / "train"
+    assert (curves / "val.csv").read_text().splitlines()[0] == (
+        "epoch,val/loss,val/acc,train/loss,train/acc"
+    )
+    assert (curves / "train_loss.csv").read_text().splitlines()[0] == "step,train_loss"
+    scores = json.loads((cancer_repo / "reports" / "metrics.json").read_text())
+    assert {"test/loss", "test/acc"} <= set(scores) and scores["test/acc"] > 0.8
+
+
+def test_verify_finds_it_identical_a_clock_seeded_loader_too_and_a_clock_seeded_forward_not(
+    project: Path, tmp_path: Path
+) -> None:
+    short = ("-S", "train.max_epochs=1")
+    data = project / "cancer" / "data.py"
+    _edit(data, "import lightning as L\n", "import time\n\nimport lightning as L\n")
+    _edit(
+        data,
+        "            shuffle=True,\n",
+        "            shuffle=True,\n"
+        "            generator=torch.Generator().manual_seed(time.time_ns()),\n",
+    )
+    result = _cli(project, "verify", *short, "--workdir", tmp_path / "loader")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "reprotrain verify: IDENTICAL (2 runs)" in result.stdout
+
+    # Negative control: a draw no seed reaches, in the module's forward.
+    model = project / "cancer" / "model.py"
+    _edit(model, "import lightning as L\n", "import time\n\nimport lightning as L\n")
+    _edit(
+        model,
+        "        return self.net(x)\n",
+        "        clock = torch.Generator().manual_seed(time.time_ns())\n"
+        "        return self.net(x + 1e-3 * torch.randn(x.shape, generator=clock))\n",
+    )
+    result = _cli(project, "verify", *short, "--workdir", tmp_path / "forward")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "reprotrain verify: NOT REPRODUCIBLE (2 runs; differ: run-1 vs run-2)" in result.stdout
+
+
+def test_a_changed_line_of_the_package_moves_the_run_id_and_restoring_it_restores_it(
+    project: Path,
+) -> None:
+    def run_id() -> str:
+        result = _cli(project, "run-id")
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    first = run_id()
+    model = project / "cancer" / "model.py"
+    original = model.read_text()
+    _edit(model, "nn.ReLU()", "nn.GELU()")
+    assert run_id() != first
+    model.write_text(original)
+    assert run_id() == first
+
+
+def _interrupted(project: Path, argv: list[str], step: int) -> None:
+    """The train stage stopped by SIGTERM at the start of ``step``, its outputs gone first."""
+    for name in (*TRAIN_OUTPUTS, "reports/run.json"):
+        (project / name).unlink(missing_ok=True)
+    inject = os.pathsep.join(
+        filter(None, [str(ROOT / "tests" / "inject"), os.environ.get("PYTHONPATH")])
+    )
+    result = _cli(project, *argv, PYTHONPATH=inject, REPROTRAIN_TEST_SIGTERM_AT_STEP=str(step))
+    assert result.returncode == 130, result.stdout + result.stderr
+    assert f"epoch=1-step={step + 1}.ckpt, is kept" in result.stderr, result.stderr
+
+
+def test_sigterm_mid_epoch_then_the_same_command_gives_the_uninterrupted_bits(
+    project: Path, cancer_repo: Path
+) -> None:
+    argv = stage_argv(project, "train")
+    _interrupted(project, argv, SIGTERM_STEP)
+    (interrupt,) = (project / "checkpoints").glob(f"*/epoch=1-step={SIGTERM_STEP + 1}.ckpt")
+    kept = interrupt.read_bytes()
+    result = _cli(project, *argv)
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {interrupt.name}" in result.stdout, result.stdout
+    assert _digests(project) == _digests(cancer_repo)
+
+    # Negative control: the same checkpoint without the epoch's metric sums so far resumes
+    # to the same weights, but epoch 1's train/loss and train/acc cover only its last batches.
+    interrupt.parent.mkdir(parents=True, exist_ok=True)
+    interrupt.write_bytes(kept)
+    saved = torch.load(interrupt, map_location="cpu", weights_only=True)
+    saved["callbacks"]["EpochAccumulators"] = {"ranks": [{"sums": {}, "metrics": {}}]}
+    torch.save(saved, interrupt)
+    sidecar(interrupt).write_text(f"{sha256_file(interrupt)}  {interrupt.name}\n")
+    for name in (*TRAIN_OUTPUTS, "reports/run.json"):
+        (project / name).unlink()
+    result = _cli(project, *argv)
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {interrupt.name}" in result.stdout, result.stdout
+    other, straight = _digests(project), _digests(cancer_repo)
+    assert other["models/model.safetensors"] == straight["models/model.safetensors"]
+    assert other["reports/plots/train/val.csv"] != straight["reports/plots/train/val.csv"]
