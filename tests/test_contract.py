@@ -6,6 +6,7 @@ same module without the fault passes.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 import types
@@ -19,7 +20,12 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from reprotrain.pipeline.config import ConfigError, Params, parse_params
-from reprotrain.pipeline.contract import check_data_files, check_datasets, check_recipe
+from reprotrain.pipeline.contract import (
+    check_data_files,
+    check_datasets,
+    check_recipe,
+    unread_data_files,
+)
 from reprotrain.pipeline.data import SampleSeeded
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.recipe import resolve_recipe
@@ -71,6 +77,11 @@ class OnlyTrainLoader(L.LightningDataModule):
         return torch.utils.data.DataLoader(TensorDataset(torch.zeros(8, 3)), batch_size=4)
 
 
+class Downloads(Data):
+    def prepare_data(self) -> None:
+        raise AssertionError("the contract check must not call it")
+
+
 class NoTestDataset(L.LightningDataModule):
     def __init__(self, batch_size: int = 4, num_workers: int = 0) -> None:
         super().__init__()
@@ -105,6 +116,7 @@ def user_module() -> Iterator[None]:
         Data,
         OwnLoader,
         OnlyTrainLoader,
+        Downloads,
         NoTestDataset,
         LinksAbsent,
         Streaming,
@@ -233,3 +245,21 @@ def test_sample_keys_decide_each_draw_and_leave_the_callers_streams_alone() -> N
     seeded[(2, (7, 4))]
     assert (float(torch.rand(())), float(np.random.rand()), random.random()) == after
     assert seeded[(1, (7, 4))] != first  # control: another key, other draws
+
+
+def test_a_data_file_no_data_argument_names_is_reported(tmp_path: Path) -> None:
+    named, unnamed = tmp_path / "named.csv", tmp_path / "other.csv"
+    params = _params()
+    recipe = resolve_recipe(params)
+    assert unread_data_files(recipe, [unnamed]) == [unnamed]
+    with_path = dataclasses.replace(
+        recipe,
+        data=dataclasses.replace(recipe.data, init_args={**recipe.data.init_args, "p": str(named)}),
+    )
+    assert unread_data_files(with_path, [named]) == []  # control: the module names it
+
+
+def test_a_data_module_that_downloads_in_prepare_data_is_refused() -> None:
+    message = _refusal(_params(data="Downloads"))
+    assert message.startswith("data.class_path: usercontract.Downloads defines prepare_data()")
+    assert "--data" in message

@@ -93,6 +93,7 @@ def cancer_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Pat
         run_checked("dvc", "init", "-q", cwd=built)
         out = run_checked("dvc", "repro", cwd=built, **LOCK)
         assert "checked cancer.model.CancerClassifier and cancer.data.CancerData" in out, out
+        assert "note:" not in out, out  # no --data, nothing unread
         commit_all(built, "the package as written and its run")
 
     return built_once(tmp_path_factory.getbasetemp(), worker_id, "cancer_repo", build)

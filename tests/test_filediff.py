@@ -97,13 +97,58 @@ def test_unreadable_files_are_named_with_the_readers_error(tmp_path: Path) -> No
     assert verdict.status == "unreadable" and "not a torch file (IndexError" in verdict.detail
 
 
-def test_a_checkpoint_holding_a_class_is_refused_not_unpickled(tmp_path: Path) -> None:
+class Net(torch.nn.Module):
+    """A class of the run's own, as a Lightning checkpoint's hyper_parameters hold one."""
+
+    def __init__(self, weight: float) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        torch.nn.init.constant_(self.layer.weight, weight)
+
+
+def test_a_checkpoint_holding_objects_is_compared_by_their_tensors_without_their_code(
+    tmp_path: Path,
+) -> None:
     a, b = _runs(tmp_path)
-    for folder, value in ((a, 1), (b, 2)):
-        torch.save({"when": Path(str(value))}, folder / "x.pt")
+    for folder, (value, weight) in ((a, (1, 0.5)), (b, (2, 0.5))):
+        torch.save(
+            {"when": Path(str(value)), "hyper_parameters": {"net": Net(weight)}}, folder / "x.pt"
+        )
     verdict = compare_files("x.pt", a / "x.pt", b / "x.pt", (a, b))
-    assert verdict.status == "unreadable" and "weights_only=True" in verdict.detail
-    assert verdict.detail.startswith(f"{a / 'x.pt'}: holds pathlib.")  # the class it refused
+    assert verdict.status == "fields" and verdict.tensors_compared == 2
+    assert verdict.fields == ["when/args/0: '1' != '2'"]
+    assert "read without running its code: " in verdict.detail
+    assert f"{__name__}.Net" in verdict.detail and "pathlib.PosixPath" in verdict.detail
+    # A tensor inside the pickled object is a tensor like any other.
+    torch.save({"hyper_parameters": {"net": Net(0.5)}}, a / "y.pt")
+    torch.save({"hyper_parameters": {"net": Net(0.25)}}, b / "y.pt")
+    verdict = compare_files("y.pt", a / "y.pt", b / "y.pt", (a, b))
+    assert verdict.status == "tensors"
+    assert [d.name for d in verdict.tensors] == [
+        "hyper_parameters/net/state/_modules/layer/state/_parameters/weight"
+    ]
+
+
+class Planted:
+    """Unpickling it calls os.system: what a checkpoint from elsewhere may hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_code_runs_none(tmp_path: Path) -> None:
+    a, b = _runs(tmp_path)
+    marker = tmp_path / "ran"
+    torch.save({"x": torch.ones(1), "payload": Planted(marker)}, a / "x.pt")
+    torch.save({"x": torch.zeros(1), "payload": Planted(marker)}, b / "x.pt")
+    verdict = compare_files("x.pt", a / "x.pt", b / "x.pt", (a, b))
+    assert verdict.status == "tensors" and [d.name for d in verdict.tensors] == ["x"]
+    assert not marker.exists() and "posix.system" in verdict.detail
 
 
 def test_text_files_are_never_read_as_safetensors(tmp_path: Path) -> None:

@@ -95,7 +95,7 @@ def test_a_gpu_asked_for_where_none_is_visible_is_refused(tmp_path: Path) -> Non
     with pytest.raises(DataError, match=r"train.accelerator: gpu.*set train.accelerator: cpu"):
         _preflight(params, tmp_path, gpus=[])
     big = [{"name": "A", "memory": "81559 MiB"}]
-    assert "checked params" in _preflight(params, tmp_path, gpus=big)
+    assert "checked the prepare stage's raw data" in _preflight(params, tmp_path, gpus=big)
     small = [{"name": "A", "memory": "1 MiB"}]
     with pytest.raises(DataError, match="GiB to train"):
         _preflight(params, tmp_path, gpus=small)

@@ -454,8 +454,8 @@ def test_the_env_stage_refuses_a_broken_contract_in_one_line_before_dvc_deletes_
     assert _digests(project, EARLIER_OUTPUTS) == _digests(wine_repo, EARLIER_OUTPUTS)
 
 
-def test_an_iterable_training_dataset_is_refused_in_one_line_before_the_first_step(
-    project: Path,
+def test_an_iterable_training_dataset_is_refused_in_one_line_and_the_earlier_outputs_stay(
+    project: Path, wine_repo: Path
 ) -> None:
     data = project / "wine" / "data.py"
     _edit(
@@ -477,11 +477,17 @@ def test_an_iterable_training_dataset_is_refused_in_one_line_before_the_first_st
     assert "train_dataset() returned a Stream, not a map-style dataset" in line, line
     assert "mid-epoch resume" in line, line
     # The classes pass the env stage's checks (a dataset exists only after setup()), so the
-    # train stage refuses it, after DVC has removed train's outputs to run it: no byte
-    # comparison with the earlier run here, only that nothing was trained.
+    # train stage refuses it, after DVC has removed train's outputs to run it: the env
+    # stage kept them aside, and the train stage puts them back (reprotrain.pipeline.kept).
     assert "Running stage 'train'" in result.stdout + result.stderr
-    assert not (project / "models" / "model.safetensors").exists()
+    assert "the earlier outputs are back in place: models/model.safetensors" in line, line
+    assert _digests(project, EARLIER_OUTPUTS) == _digests(wine_repo, EARLIER_OUTPUTS)
     assert not list((project / "checkpoints").rglob("*.ckpt"))
+    # Control: by hand (no dvc repro), nothing is kept or put back.
+    _without_outputs(project)
+    result = _cli(project, *_train_argv(project, None))
+    assert "the earlier outputs are back" not in _error_line(result)
+    assert not (project / "models" / "model.safetensors").exists()
 
 
 # -- compare and opdiff ------------------------------------------------------------------

@@ -59,6 +59,13 @@ def check_recipe(params: Params, recipe: Recipe) -> None:
             raise ConfigError(
                 f"model.class_path: {model.class_path} defines no {hook}; {why} ({DOCS})"
             )
+    if _overrides(data.cls, L.LightningDataModule, "prepare_data"):
+        raise ConfigError(
+            f"data.class_path: {data.class_path} defines prepare_data(), which the pipeline "
+            "never calls: what it downloads would reach training with no checksum in the run "
+            "ID; fetch the files in a DVC stage of your own (or `dvc import-url`), pass them "
+            f"to the train stage as --data, and drop prepare_data ({DOCS})"
+        )
     gives_datasets = []
     for split in SPLITS:
         if defines_own_loader(data.cls, split):
@@ -110,6 +117,22 @@ def check_data_files(recipe: Recipe, data: list[Path]) -> None:
                 f"a --data {kind} of the train stage, so the run ID would not cover it; add "
                 f"`--data {value}` to the train stage's cmd in dvc.yaml (and {value} to its deps)"
             )
+
+
+def unread_data_files(recipe: Recipe, data: list[Path]) -> list[Path]:
+    """The train stage's ``--data`` paths that no ``data.init_args`` string names.
+
+    Such a file stays in the run ID (and DVC reruns train when it changes)
+    though the data module may never read it: a module that reads no file (or
+    names its files in its code) needs no ``--data``. Not a refusal: a module
+    may read a file its code names; the env stage says it once.
+    """
+    named = {
+        Path(value).resolve()
+        for value in recipe.data.init_args.values()
+        if isinstance(value, str) and value
+    }
+    return [path for path in data if path.resolve() not in named]
 
 
 def check_datasets(datamodule: Any) -> None:

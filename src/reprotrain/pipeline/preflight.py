@@ -258,8 +258,9 @@ def preflight(
         )
     if planned is not None:
         check_outputs(output_bytes(params, model, sizes, shape, classes, planned))
+    estimate = f", about {need / 2**20:.0f} MiB to train" if model.cnn else ""
     return (
-        f"checked params and {source} ({len(y)} samples, {shape[0]}x{shape[1]}x{shape[2]}, "
-        f"{classes} classes, splits {sizes[0]}/{sizes[1]}/{sizes[2]}, about "
-        f"{need / 2**20:.0f} MiB to train)"
+        f"checked the prepare stage's raw data, {source} ({len(y)} samples, "
+        f"{shape[0]}x{shape[1]}x{shape[2]}, {classes} classes, splits "
+        f"{sizes[0]}/{sizes[1]}/{sizes[2]}{estimate})"
     )

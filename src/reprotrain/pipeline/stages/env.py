@@ -47,6 +47,7 @@ from reprotrain.provenance.environment import HOST_KEY, bit_deciding, capture_en
 
 if TYPE_CHECKING:  # numpy, for the raw data: only when the stage checks it
     from reprotrain.pipeline.preflight import PlannedOutputs
+    from reprotrain.pipeline.recipe import Recipe
 
 #: The params.yaml keys this stage reads: none.
 PARAMS: tuple[str, ...] = ()
@@ -160,6 +161,7 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         check_world_size_invariance(params, recipe)
         check_loaders(params, recipe)
         checked = f"; checked {recipe.model.class_path} and {recipe.data.class_path}"
+        checked += unread_data_note(recipe)
         if args.raw_dir is not None:
             flags = record[HOST_KEY]["cpu"]["dispatch_flags"]
             checks = preflight(
@@ -170,10 +172,45 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         shown = {**record, "git": git_state(Path.cwd())}
         return f"environment\n{note}" + json.dumps(shown, indent=2, sort_keys=True)
     atomic_write_text(args.out, canonical_json(bit_deciding(record)))
+    keep_train_outputs()
     if args.host_out is not None:
         atomic_write_text(args.host_out, canonical_json(record[HOST_KEY]))
     drift = "" if record["lock"]["exact"] else f"; {len(record['lock']['drift'])} packages drift"
     return f"recorded environment -> {args.out}{drift}{checked}"
+
+
+def unread_data_note(recipe: Recipe) -> str:
+    """``; note: ...`` when, under ``dvc repro``, the train stage's ``--data`` files are named
+    by no data argument (:func:`~reprotrain.pipeline.contract.unread_data_files`)."""
+    from reprotrain.pipeline.contract import unread_data_files
+    from reprotrain.pipeline.kept import pipeline_file
+
+    if (dvc_yaml := pipeline_file()) is None:
+        return ""
+    try:
+        data = stage_arguments("train", dvc_yaml).data
+    except DataError:  # no train stage here
+        return ""
+    if not (unread := unread_data_files(recipe, data)):
+        return ""
+    files = " ".join(f"--data {path}" for path in unread)
+    return (
+        f"; note: no data.init_args of {recipe.data.class_path} names {files}, which stays in "
+        "the run ID; if the module never reads it, remove it from the train and evaluate "
+        "stages' cmd and deps in dvc.yaml (docs/your-model.md)"
+    )
+
+
+def keep_train_outputs() -> None:
+    """Under ``dvc repro``, keep train's outputs aside (:mod:`reprotrain.pipeline.kept`)."""
+    from reprotrain.pipeline.kept import keep, pipeline_file, train_outputs
+
+    if (dvc_yaml := pipeline_file()) is None:
+        return
+    try:
+        keep(train_outputs(stage_arguments("train", dvc_yaml)))
+    except DataError:  # a pipeline without a train stage: nothing to keep
+        return
 
 
 def planned_outputs(dvc_yaml: Path = DVC_YAML) -> PlannedOutputs | None:

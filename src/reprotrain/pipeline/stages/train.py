@@ -39,6 +39,7 @@ them when they decide the bits).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -102,6 +103,33 @@ COMMAND = Command(
 
 
 def run(params: Params, args: argparse.Namespace) -> str:
+    """Train; on any failure under ``dvc repro``, the earlier outputs DVC deleted are put back
+    (:mod:`reprotrain.pipeline.kept`) and the error says so."""
+    from reprotrain.pipeline.kept import drop, put_back, train_outputs
+
+    first = os.environ.get("LOCAL_RANK", "0") == "0"  # one process per machine restores
+    try:
+        done = _train(params, args)
+    except BaseException as err:
+        if first and (restored := put_back(train_outputs(args))):
+            _say_restored(err, restored)
+        raise
+    if first:
+        drop(train_outputs(args))
+    return done
+
+
+def _say_restored(err: BaseException, restored: list[Path]) -> None:
+    """Add to the one error line that the earlier outputs are back (a traceback is left be)."""
+    names = ", ".join(str(p) for p in restored)
+    if err.args and isinstance(err.args[0], str):
+        err.args = (
+            f"{err.args[0]} (the earlier outputs are back in place: {names})",
+            *err.args[1:],
+        )
+
+
+def _train(params: Params, args: argparse.Namespace) -> str:
     # torch and Lightning load here, not with the module: the CLI reads this one for its options.
     from reprotrain.distributed.ddp import this_rank
     from reprotrain.pipeline.contract import check_data_files, check_recipe

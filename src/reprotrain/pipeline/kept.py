@@ -1,0 +1,114 @@
+"""The train stage's earlier outputs, kept aside by the env stage and put back if train fails.
+
+DVC deletes a stage's outputs before it runs the stage's command. Most bad
+input is refused by the ``env`` stage before that (:mod:`reprotrain.pipeline.contract`),
+but some only the train stage can see (a dataset that exists after the
+prepare stage ran, a link ``setup`` did not set); without this, such a refusal
+would leave the workspace without the last good run's weights, trace,
+metrics, curves and run record, while ``dvc.lock`` still names them.
+
+So, under ``dvc repro`` only (DVC sets ``DVC_STAGE`` and ``DVC_ROOT`` for a
+stage's command), the env stage, once its checks pass, hard-links the train
+stage's current outputs (as ``dvc.yaml`` names them) into
+``.dvc/tmp/reprotrain-kept/`` (a copy where no hard link can be made; DVC
+writes a new file rather than into an old one, so the link keeps the old
+bytes). A train stage that fails in any way moves each of its outputs that is
+missing back; one that succeeds drops what was kept for it. ``reprotrain
+train`` run by hand keeps and restores nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+#: Under ``DVC_ROOT``: one folder per pipeline, by its folder relative to the root.
+KEPT = Path(".dvc") / "tmp" / "reprotrain-kept"
+
+
+def train_outputs(args: argparse.Namespace) -> list[Path]:
+    """The files and folders the train stage writes (its output options, as parsed)."""
+    named = (args.model, args.trace, args.metrics, args.plots, args.run_record)
+    return [path for path in named if path is not None]
+
+
+def pipeline_file() -> Path | None:
+    """The ``dvc.yaml`` of the stage ``dvc repro`` runs now; None outside ``dvc repro``."""
+    root, stage = os.environ.get("DVC_ROOT"), os.environ.get("DVC_STAGE")
+    if not root or not stage:
+        return None
+    file = Path(root) / (stage.rpartition(":")[0] or "dvc.yaml")  # "pipelines/lm/dvc.yaml:env"
+    return file if file.is_file() or stage.rpartition(":")[0] == "" else None
+
+
+def kept_folder() -> Path | None:
+    """Where the running stage's pipeline keeps outputs (one folder per ``dvc.yaml``); None
+    outside ``dvc repro``. Paths in it are relative to the stage's working directory, which
+    env and train share (their ``wdir``)."""
+    file = pipeline_file()
+    if file is None:
+        return None
+    root = Path(os.environ["DVC_ROOT"])
+    return root / KEPT / file.parent.relative_to(root)
+
+
+def keep(outputs: Iterable[Path]) -> list[Path]:
+    """Link each existing output (a file or a folder's files) into :func:`kept_folder`,
+    after dropping what was kept before; return the outputs kept."""
+    folder = kept_folder()
+    if folder is None:
+        return []
+    shutil.rmtree(folder, ignore_errors=True)
+    kept = []
+    for output in _inside(outputs):
+        if output.is_file():
+            _link(output, folder / output)
+        elif output.is_dir():
+            for file in (p for p in output.rglob("*") if p.is_file()):
+                _link(file, folder / file)
+        else:
+            continue
+        kept.append(output)
+    return kept
+
+
+def put_back(outputs: Iterable[Path]) -> list[Path]:
+    """Move each missing output back from :func:`kept_folder`; return those restored."""
+    folder = kept_folder()
+    restored = []
+    for output in _inside(outputs) if folder is not None else []:
+        source = folder / output  # type: ignore[operator]
+        if output.is_dir() and not any(output.iterdir()):
+            output.rmdir()  # made by the failed run, nothing in it
+        if source.exists() and not output.exists():
+            output.parent.mkdir(parents=True, exist_ok=True)
+            source.replace(output)
+            restored.append(output)
+    return restored
+
+
+def drop(outputs: Iterable[Path]) -> None:
+    """Forget what was kept of ``outputs`` (the stage wrote new ones)."""
+    folder = kept_folder()
+    for output in _inside(outputs) if folder is not None else []:
+        kept = folder / output  # type: ignore[operator]
+        if kept.is_dir():
+            shutil.rmtree(kept, ignore_errors=True)
+        else:
+            kept.unlink(missing_ok=True)
+
+
+def _inside(outputs: Iterable[Path]) -> list[Path]:
+    """The outputs given relative to the working directory (dvc.yaml's paths)."""
+    return [p for p in outputs if not p.is_absolute() and ".." not in p.parts]
+
+
+def _link(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
