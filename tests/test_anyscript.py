@@ -49,7 +49,7 @@ def test_a_command_that_writes_nothing_is_a_usage_error_not_a_pass(tmp_path: Pat
     assert "IDENTICAL" not in done.stdout
     error = [line for line in done.stderr.splitlines() if "error" in line]
     assert len(error) == 1 and "wrote nothing under {out}" in error[0]
-    assert "--output" in error[0]
+    assert "--output" not in error[0]  # it names files under {out}: no help here
     # each run says when it started and how long it took, while verify waits
     assert "run 0 started at" in done.stderr and "run 1 finished in" in done.stderr
 
@@ -152,6 +152,14 @@ def test_the_failure_line_is_the_last_tracebacks_end_or_a_named_exception() -> N
     assert failure_line(chained) == "RuntimeError: b"
     assert failure_line("loading\nCUDA Error: out of memory\nbye\n") == "CUDA Error: out of memory"
     assert failure_line("loading\nkilled\n\n") == "killed"  # negative control: nothing named
+    hydra_override = (
+        "Could not override 'lr'.\nTo append to your config use +lr=0.1\n"
+        "Key 'lr' is not in struct\n    full_key: lr\n    object_type=dict\n\n"
+        "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n"
+    )
+    assert failure_line(hydra_override) == (
+        "Could not override 'lr'. To append to your config use +lr=0.1 Key 'lr' is not in struct"
+    )
     assert failure_line("") == "(no output)"
 
 
@@ -291,3 +299,49 @@ def test_an_op_without_a_deterministic_kernel_is_named_with_its_line_and_the_cho
     assert (
         "DeterminismError" not in run_cli("run", "--", sys.executable, script, cwd=tmp_path).stderr
     )
+
+
+#: A checkpoint as a Hydra template's writes one: the model's ``net`` (a class of the
+#: script's own) kept by save_hyperparameters, and the run folder among its fields.
+OBJECT_CHECKPOINT = """
+import sys
+import torch
+out = sys.argv[1]
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+
+
+torch.manual_seed(0)
+net = Net()
+torch.save({"state_dict": net.state_dict(), "hyper_parameters": {"net": net, "dir": out}},
+           f"{out}/last.ckpt")
+"""
+
+
+def test_a_checkpoint_holding_the_scripts_own_classes_is_compared_without_running_them(
+    tmp_path: Path,
+) -> None:
+    done = _verify(tmp_path, script=OBJECT_CHECKPOINT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "reprotrain verify: IDENTICAL: 2 runs, last.ckpt"
+    assert "read without running its code: __main__.Net, " in lines[1], lines
+
+
+def test_runs_that_proved_identical_leave_no_folder_unless_a_workdir_was_named(
+    tmp_path: Path,
+) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    (tmp_path / "train.py").write_text(SCRIPT)
+    argv = ("verify", "--", sys.executable, tmp_path / "train.py", "{out}")
+    done = run_cli(*argv, cwd=tmp_path, TMPDIR=str(scratch))
+    assert done.returncode == 0 and "runs kept in" not in done.stdout
+    assert list(scratch.iterdir()) == []
+    differs = run_cli(*argv, cwd=tmp_path, TMPDIR=str(scratch), DIFFER="1")  # control
+    assert differs.returncode == 1 and "runs kept in" in differs.stdout
+    assert len(list(scratch.iterdir())) == 1

@@ -104,6 +104,7 @@ class Net(torch.nn.Module):
         super().__init__()
         self.layer = torch.nn.Linear(1, 1)
         torch.nn.init.constant_(self.layer.weight, weight)
+        torch.nn.init.zeros_(self.layer.bias)
 
 
 def test_a_checkpoint_holding_objects_is_compared_by_their_tensors_without_their_code(
@@ -116,7 +117,7 @@ def test_a_checkpoint_holding_objects_is_compared_by_their_tensors_without_their
         )
     verdict = compare_files("x.pt", a / "x.pt", b / "x.pt", (a, b))
     assert verdict.status == "fields" and verdict.tensors_compared == 2
-    assert verdict.fields == ["when/args/0: '1' != '2'"]
+    assert verdict.fields == ["when/args/0: '1' vs '2'"]
     assert "read without running its code: " in verdict.detail
     assert f"{__name__}.Net" in verdict.detail and "pathlib.PosixPath" in verdict.detail
     # A tensor inside the pickled object is a tensor like any other.

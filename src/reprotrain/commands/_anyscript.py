@@ -141,9 +141,18 @@ def _is_trace(path: Path) -> bool:
         return False
 
 
+#: Hydra's last line after any error; the error is the paragraph above it.
+HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
+
+
 def failure_line(log: str) -> str:
-    """A failed run's error: the last traceback's final line, else a line naming an exception."""
+    """A failed run's error: the last traceback's final line, else a line naming an exception,
+    else (Hydra's own errors: an override it could not apply) Hydra's message above its hint."""
     lines = [line.rstrip() for line in log.splitlines()]
+    if hint := [i for i, line in enumerate(lines) if line.startswith(HYDRA_HINT)]:
+        lines = lines[: hint[-1]]
+        if hydra := _hydra_message(lines):
+            return hydra
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call")]
     if starts:
         after = lines[starts[-1] + 1 :]
@@ -153,6 +162,18 @@ def failure_line(log: str) -> str:
             return found
     named = next((line for line in lines if _EXCEPTION.search(line)), None)
     return named or next((line for line in reversed(lines) if line.strip()), "(no output)")
+
+
+def _hydra_message(lines: list[str]) -> str | None:
+    """The paragraph above Hydra's hint, its unindented lines joined; None if it is a traceback
+    (then its last line is the error, as for any run)."""
+    while lines and not lines[-1].strip():
+        lines = lines[:-1]
+    start = max((i + 1 for i, line in enumerate(lines) if not line.strip()), default=0)
+    block = lines[start:]
+    if not block or any(line.startswith("Traceback (most") for line in lines):
+        return None
+    return " ".join(line.strip() for line in block if line and not line[0].isspace())
 
 
 _EXCEPTION = re.compile(r"\b(?:[A-Z]\w*)?(?:Error|Exception)\b")
@@ -212,7 +233,7 @@ def verify_script(args: argparse.Namespace) -> int:
     if not names:
         raise DataError(
             f"`{shlex.join(cmd)}` wrote nothing under {{out}} ({folders[0]}), so nothing was "
-            "compared: pass {out} to it (Hydra: hydra.run.dir={out}), or name files with --output"
+            "compared: pass {out} to it as its output folder (Hydra: hydra.run.dir={out})"
         )
     verdicts = [_worst_verdict(name, folders, bool(args.outputs)) for name in names]
     verdict = overall_verdict(verdicts)
@@ -229,10 +250,13 @@ def verify_script(args: argparse.Namespace) -> int:
     if verdict == "NOT REPRODUCIBLE":
         readable = [v.name for v in verdicts if v.status != "unreadable"]
         report.update(_locate(cmd, folders, readable, base, args.ops_step))
+    kept = verdict != "IDENTICAL" or args.workdir is not None
     if args.json:
         print(canonical_json(report), end="")
     else:
-        print(_text(report, verdicts, workdir))
+        print(_text(report, verdicts, workdir if kept else None))
+    if not kept:  # a temporary folder of runs that proved identical: nothing left to look at
+        shutil.rmtree(workdir, ignore_errors=True)
     return EXIT_CODES[verdict]
 
 
@@ -329,12 +353,17 @@ def _locate(
 ROWS = 8
 
 
-def _text(report: dict[str, Any], verdicts: list[FileVerdict], workdir: Path) -> str:
+def _text(report: dict[str, Any], verdicts: list[FileVerdict], workdir: Path | None) -> str:
+    """The verdict, what differs and where the runs are (``workdir`` None: removed)."""
     verdict = report["verdict"]
     if verdict == "IDENTICAL":
-        return (
+        lines = [
             f"reprotrain verify: IDENTICAL: {report['runs']} runs, {', '.join(report['outputs'])}"
-        )
+        ]
+        lines += [f"  {v.summary()}" for v in verdicts if v.detail]
+        if workdir is not None:
+            lines.append(f"  runs kept in {workdir}")
+        return "\n".join(lines)
     lines = [f"reprotrain verify: {verdict}: {report['command']}"]
     if verdict == "DIFFERS OUTSIDE TENSORS":
         lines.append("  every tensor is equal; these files differ outside tensors:")

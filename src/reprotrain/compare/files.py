@@ -10,7 +10,11 @@ file is read as its kind:
 * ``checkpoint`` (``.ckpt``, ``.pt``, ``.pth``, or a ``torch.save`` zip):
   ``torch.load(weights_only=True)`` (no code from the file runs), every tensor
   found by its key path (``state_dict/…``, ``optimizer_states/0/state/0/exp_avg``,
-  loops' counters) compared as above, every other value by its ``repr``;
+  loops' counters) compared as above, every other value by its ``repr``. A
+  checkpoint that pickles objects of its own classes (a ``net`` kept by
+  ``save_hyperparameters()``, a Hydra config) is read with those classes as
+  placeholders that run nothing (:mod:`reprotrain.compare.opaque`): their
+  tensors and fields compare like any others, and the verdict names them;
 * ``file``: any other file, by bytes; a text file names its first differing line.
 
 Before comparing, each run's own folder path (as given and resolved) is
@@ -76,12 +80,13 @@ class FileVerdict:
             return f"{head}: identical{f' ({self.detail})' if self.detail else ''}"
         if self.status == "tensors" and not self.tensors:  # written by one run only
             return f"{head}: {self.detail}"
+        note = f" ({self.detail})" if self.detail else ""
         if self.status == "tensors":
-            return f"{head}: {len(self.tensors)} of {self.tensors_compared} tensors differ"
+            return f"{head}: {len(self.tensors)} of {self.tensors_compared} tensors differ{note}"
         if self.status == "fields":
             return (
                 f"{head}: all {self.tensors_compared} tensors equal; "
-                f"{len(self.fields)} other fields differ"
+                f"{len(self.fields)} other fields differ{note}"
             )
         if self.status == "bytes":
             return f"{head}: differs ({self.detail})"
@@ -145,6 +150,7 @@ def compare_files(name: str, a: Path, b: Path, folders: tuple[Path, Path]) -> Fi
             tensors, fields, hashes = reader(path)
         except _read_errors(kind) as err:
             return FileVerdict(name, kind, "unreadable", detail=f"{path}: {_reason(err, kind)}")
+        unloaded = fields.get(NOT_LOADED, "")
         loaded.append((tensors, _placeheld(fields, folder), hashes))
     from reprotrain.compare.weights import compare_weights
 
@@ -154,6 +160,10 @@ def compare_files(name: str, a: Path, b: Path, folders: tuple[Path, Path]) -> Fi
     compared = len(set(ta) | set(tb))
     status: Status = "tensors" if diffs else "fields" if fields else "identical"
     detail = "same tensors and fields; the bytes differ" if status == "identical" else ""
+    if unloaded:
+        detail = (
+            f"{detail}; " if detail else ""
+        ) + f"read without running its code: {unloaded} compared by their tensors and fields"
     return FileVerdict(name, kind, status, compared, diffs, fields, detail, hashes)
 
 
@@ -222,30 +232,59 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]
 
 
 def _read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """Tensors and fields by key path; a file that pickles objects of its own classes is
+    read with those classes as placeholders (:mod:`reprotrain.compare.opaque`), named in
+    the field :data:`NOT_LOADED`."""
     import torch
 
+    from reprotrain.compare.opaque import Opaque, load_opaque
+
+    unloaded: list[str] = []
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as refused:  # weights_only's refusal of a global
+        try:
+            loaded, unloaded = load_opaque(path)
+        except Exception as err:  # not even placeholders take it: the refusal says why
+            raise refused from err
     except _TORCH_READ_ERRORS:
         raise
     except Exception as err:  # bytes that are no pickle fail the unpickler in any way
         raise ValueError(f"not a torch file ({type(err).__name__}: {err})") from err
     tensors: dict[str, Any] = {}
     fields: dict[str, Any] = {}
-    _flatten(loaded, "", tensors, fields, torch.Tensor)
+    _flatten(loaded, "", tensors, fields, torch.Tensor, Opaque, set())
+    if unloaded:
+        fields[NOT_LOADED] = ", ".join(unloaded)
     return tensors, fields, False
 
 
-def _flatten(value: Any, key: str, tensors: dict, fields: dict, tensor_type: type) -> None:
-    """Every tensor and every other leaf of nested dicts and lists, by key path."""
+#: The field that names the classes a checkpoint pickles and no code was loaded for.
+NOT_LOADED = "(classes not loaded)"
+
+
+def _flatten(
+    value: Any, key: str, tensors: dict, fields: dict, tensor_type: type, opaque: type,
+    seen: set[int],
+) -> None:  # fmt: skip
+    """Every tensor and every other leaf of nested dicts, lists and placeholders, by key path;
+    an object met again (a parent link) is a field naming where it was first."""
     if isinstance(value, tensor_type):
         tensors[key or "(tensor)"] = value
-    elif isinstance(value, dict) and value:
+        return
+    if isinstance(value, dict | list | tuple | opaque) and value:
+        if id(value) in seen:
+            fields[key] = "<seen above>"
+            return
+        seen.add(id(value))
+    if isinstance(value, opaque):
+        value = value.contents()
+    if isinstance(value, dict) and value:
         for k, v in value.items():
-            _flatten(v, f"{key}/{k}" if key else str(k), tensors, fields, tensor_type)
+            _flatten(v, f"{key}/{k}" if key else str(k), tensors, fields, tensor_type, opaque, seen)
     elif isinstance(value, list | tuple) and value:
         for i, v in enumerate(value):
-            _flatten(v, f"{key}/{i}" if key else str(i), tensors, fields, tensor_type)
+            _flatten(v, f"{key}/{i}" if key else str(i), tensors, fields, tensor_type, opaque, seen)
     else:
         fields[key or "(value)"] = value
 
