@@ -53,11 +53,19 @@ def written_name(logged: str) -> str:
 
 class MemoryLogger(Logger):
     """Collects logged scalars as ``(level, index, name, value)`` rows: ``level`` is
-    ``"step"`` (index: the step) or ``"epoch"`` (index: the epoch)."""
+    ``"step"`` (index: the step) or ``"epoch"`` (index: the epoch).
 
-    def __init__(self) -> None:
+    ``training_metrics=False`` (world-size-invariant mode) keeps what the module
+    logs in training out: each rank logs its own share of the micro-batches, so
+    those values follow the world size, which the mode promises the outputs do
+    not. The pipeline's ``train_loss`` and validation (the whole split on every
+    rank) stay.
+    """
+
+    def __init__(self, training_metrics: bool = True) -> None:
         super().__init__()
         self._rows: list[tuple[str, int, str, float]] = []
+        self.training_metrics = training_metrics
         #: What Lightning flushes next (set by :class:`MetricLevels`) and the epoch it is in.
         self.level, self.epoch = STEP, 0
 
@@ -78,7 +86,13 @@ class MemoryLogger(Logger):
         if self.level == SKIP:
             return
         index = int(step or 0) if self.level == STEP else self.epoch
-        self.add(self.level, index, metrics)
+        self.add(self.level, index, self.kept(self.level, metrics))
+
+    def kept(self, level: str, metrics: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``metrics`` of a training flush at ``level``, less what ``training_metrics`` drops."""
+        if level == STEP and not self.training_metrics:
+            return {k: v for k, v in metrics.items() if k == LOGGED_LOSS}
+        return metrics
 
     def add(self, level: str, index: int, metrics: Mapping[str, Any]) -> None:
         """Rows of ``metrics`` (logged names) at ``index``; a row already there stays."""
@@ -127,7 +141,7 @@ class MetricLevels(L.Callback):
         self._set(trainer, EPOCH)
 
     def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self._set(trainer, EPOCH)
+        self._set(trainer, EPOCH if self.logger.training_metrics else SKIP)
 
 
 class CurveCheckpoint(L.Callback):
@@ -185,8 +199,9 @@ class CurveCheckpoint(L.Callback):
         if self._trainer is not None:
             results = self._trainer.fit_loop.epoch_loop._results
             if self._in_batch and self._pending is not None:
-                kept.add(STEP, self._pending[0], results.metrics(True)["log"])
-            elif not self._in_batch:
+                step_rows = self.logger.kept(STEP, results.metrics(True)["log"])
+                kept.add(STEP, self._pending[0], step_rows)
+            elif not self._in_batch and self.logger.training_metrics:
                 kept.add(EPOCH, self._trainer.current_epoch, results.metrics(False)["log"])
         return {"rows": [list(row) for row in kept._rows]}
 

@@ -205,7 +205,7 @@ def fit(
     if (kept := datamodule.kept_order) is not None:
         checkpointing = None  # its order cannot be resumed: every run starts from the first step
     strategy, accumulate = _strategy(params, datamodule.batch_size)
-    logger = MemoryLogger()
+    logger = MemoryLogger(training_metrics=not invariant)
     resume_from = checkpointing.resume_from if checkpointing else None
     chosen: list[L.Callback] = [MetricLevels(logger), TrainLossLogger(), *_op_recorder()]
     if ddp or invariant:
