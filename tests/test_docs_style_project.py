@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,15 @@ import torch
 
 from reprotrain.hashing import sha256_file
 from reprotrain.resume import sidecar
-from tests.helpers import ROOT, built_once, commit_all, run_checked, run_cli, stage_argv
+from tests.helpers import (
+    ROOT,
+    built_once,
+    cli_env,
+    commit_all,
+    run_checked,
+    run_cli,
+    stage_argv,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -283,3 +292,59 @@ def test_check_reference_reproduces_the_committed_run(project: Path) -> None:
     result = _cli(project, "verify", "--reference", "HEAD")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "REPRODUCED" in result.stdout, result.stdout
+
+
+def _own_sampler(project: Path) -> None:
+    """The module's training loader samples with WeightedRandomSampler: its order is its own."""
+    data = project / "cancer" / "data.py"
+    _edit(
+        data,
+        "            shuffle=True,\n",
+        "            sampler=torch.utils.data.WeightedRandomSampler(\n"
+        "                [1.0] * len(self.data_train), len(self.data_train)\n"
+        "            ),\n",
+    )
+
+
+def test_a_loader_with_its_own_order_trains_bitwise_and_refuses_ddp_at_env_and_resume_by_name(
+    project: Path, tmp_path: Path
+) -> None:
+    _own_sampler(project)
+    commit_all(project, "the module samples with its own sampler")
+    # DDP shards the pipeline's order: refused by the env stage, before DVC deletes anything.
+    before = _digests(project)
+    params = project / "params.yaml"
+    _edit(params, "strategy: single_device", "strategy: ddp")
+    _edit(params, "devices: 1", "devices: 2")
+    result = subprocess.run(
+        ["dvc", "repro"], cwd=project, env=cli_env(**LOCK), capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("reprotrain: error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "DDP sharding (train.strategy: ddp) needs the pipeline to draw" in errors[0]
+    assert "samples with its own sampler (WeightedRandomSampler)" in errors[0]
+    assert "Running stage 'train'" not in result.stdout and _digests(project) == before
+    run_checked("git", "checkout", "--", "params.yaml", cwd=project)
+
+    # Single process: reruns are bitwise (seeded global generator); a SIGTERM keeps no
+    # checkpoint and says why, and the rerun trains from the first step to the same bits.
+    argv = stage_argv(project, "train")
+    straight = _cli(project, *argv, "-S", "train.max_epochs=2")
+    assert straight.returncode == 0, straight.stderr
+    first = _digests(project)
+    inject = os.pathsep.join(
+        filter(None, [str(ROOT / "tests" / "inject"), os.environ.get("PYTHONPATH")])
+    )
+    stopped = _cli(
+        project, *argv, "-S", "train.max_epochs=2", PYTHONPATH=inject,
+        REPROTRAIN_TEST_SIGTERM_AT_STEP=str(SIGTERM_STEP),
+    )  # fmt: skip
+    assert stopped.returncode == 130, stopped.stdout + stopped.stderr
+    assert "no checkpoint kept: resume needs the pipeline to draw the training order" in (
+        stopped.stderr
+    )
+    assert not list((project / "checkpoints").rglob("*.ckpt"))
+    again = _cli(project, *argv, "-S", "train.max_epochs=2")
+    assert again.returncode == 0 and "resumed" not in again.stdout, again.stdout
+    assert _digests(project) == first

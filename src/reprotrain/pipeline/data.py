@@ -127,11 +127,13 @@ class PipelineLoaders(L.LightningDataModule):
 
     @property
     def batch_size(self) -> int:
-        """The training batch size: the own loader's, else the data module's ``batch_size``."""
+        """The training batch size: the own loader's, else the data module's ``batch_size``
+        (read for world-size invariance and the loaders the pipeline builds, never for a
+        loader kept as it is)."""
         own = self.own("train")
         if own is not None:
             if own.batch_size is None:
-                raise DataError(own.refusal("a batch size the pipeline can split"))
+                raise DataError(own.refusal(ORDER_GUARANTEES[2]))
             return own.batch_size
         return _argument(self.source, "batch_size")
 

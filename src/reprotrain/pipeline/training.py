@@ -204,7 +204,7 @@ def fit(
         raise DataError(problem)
     if (kept := datamodule.kept_order) is not None:
         checkpointing = None  # its order cannot be resumed: every run starts from the first step
-    strategy, accumulate = _strategy(params, datamodule.batch_size)
+    strategy, accumulate = _strategy(params, datamodule)
     logger = MemoryLogger(training_metrics=not invariant)
     resume_from = checkpointing.resume_from if checkpointing else None
     chosen: list[L.Callback] = [MetricLevels(logger), TrainLossLogger(), *_op_recorder()]
@@ -314,11 +314,11 @@ def _checkpoint_callbacks(
     ]
 
 
-def _strategy(params: Params, batch_size: int) -> tuple[Strategy | str, int]:
+def _strategy(params: Params, datamodule: PipelineLoaders) -> tuple[Strategy | str, int]:
     """Lightning's strategy for ``train.strategy`` (and the mode), and its accumulation."""
     cfg = params.train
     if cfg.world_size_invariant:
-        micro_batches = batch_size // cfg.micro_batch_size
+        micro_batches = datamodule.batch_size // cfg.micro_batch_size
         invariant = WorldSizeInvariantStrategy(micro_batches, params.seed, cfg.accelerator)
         return invariant, invariant.micro_batches_per_rank(cfg.devices * cfg.num_nodes)
     return (ddp_strategy(cfg.accelerator) if cfg.strategy == "ddp" else "auto"), 1
