@@ -61,7 +61,15 @@ model:
       class_path: cancer.model.MLP
       init_args:
         hidden: 16
-    lr: 0.01
+    optimizer:
+      class_path: torch.optim.Adam
+      init_args:
+        lr: 0.01
+    scheduler:
+      class_path: torch.optim.lr_scheduler.StepLR
+      init_args:
+        step_size: 5
+        gamma: 0.5
 data:
   class_path: cancer.data.CancerData
   init_args:

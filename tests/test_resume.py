@@ -26,7 +26,12 @@ from reprotrain.pipeline.data import ResumableLoader
 from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.pipeline.training import Checkpointing, fit
 from reprotrain.recipes.digits import ShiftedImages
-from reprotrain.resume import InterruptCheckpoint, latest_checkpoint, sidecar
+from reprotrain.resume import (
+    InterruptCheckpoint,
+    VerifiedCheckpointIO,
+    latest_checkpoint,
+    sidecar,
+)
 from tests.helpers import (
     ROOT,
     cli_env,
@@ -395,3 +400,27 @@ def test_sigterm_on_an_epochs_last_batch_is_put_off_until_the_next_epochs_first(
     assert saved == [tmp_path / "epoch=3-step=16.ckpt"] and trainer.received_sigterm is True
     callback.on_train_batch_end(trainer, None, None, None, 1)
     assert len(saved) == 1  # one file per interruption
+
+
+def test_saved_hyperparameters_holding_objects_still_load_with_weights_only(
+    tmp_path: Path,
+) -> None:
+    """``save_hyperparameters()`` as the Hydra template calls it keeps the ``net`` and an
+    optimizer partial; the checkpoint keeps them by name, so a resume can load it."""
+    import functools
+
+    net = torch.nn.Linear(2, 2)
+    hyper = {"net": net, "optimizer": functools.partial(torch.optim.Adam, lr=0.1), "lr": 0.1}
+    path = tmp_path / "epoch=0.ckpt"
+    VerifiedCheckpointIO().save_checkpoint({"hyper_parameters": hyper, "epoch": 0}, path)
+    loaded = VerifiedCheckpointIO().load_checkpoint(path)
+    assert loaded["hyper_parameters"] == {
+        "net": "<torch.nn.modules.linear.Linear: not kept in checkpoints>",
+        "optimizer": "<functools.partial: not kept in checkpoints>",
+        "lr": 0.1,
+    }
+    assert hyper["net"] is net  # the module's own hparams are left as they were
+    # Control: torch alone writes a file that weights_only loading refuses.
+    torch.save({"hyper_parameters": hyper}, tmp_path / "raw.ckpt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        torch.load(tmp_path / "raw.ckpt", weights_only=True)

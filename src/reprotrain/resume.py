@@ -81,13 +81,39 @@ def verify_checkpoint(path: str | Path) -> None:
         )
 
 
+#: What ``save_hyperparameters()`` put in a checkpoint: kept for ``load_from_checkpoint``,
+#: never read when a run resumes.
+HYPERPARAMETER_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
+
+
+def plain(value: Any) -> Any:
+    """``value`` with every object that ``weights_only`` loading refuses (a ``net`` module, an
+    optimizer partial: ``save_hyperparameters()`` in the templates) replaced by its name."""
+    if value is None or isinstance(value, bool | int | float | str | torch.Tensor):
+        return value
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items() if isinstance(k, str | int)}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    kind = type(value)
+    return f"<{kind.__module__}.{kind.__qualname__}: not kept in checkpoints>"
+
+
 class VerifiedCheckpointIO(TorchCheckpointIO):
-    """Atomic checkpoint writes with a sha256 sidecar; verified, ``weights_only`` loads."""
+    """Atomic checkpoint writes with a sha256 sidecar; verified, ``weights_only`` loads.
+
+    The hyperparameters a module saved are written as plain values (:func:`plain`): a
+    resume never reads them, and an object among them would make the file one that
+    ``weights_only`` refuses (the model's own ``state_dict`` holds its ``net``'s tensors).
+    """
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         path = Path(path)
+        for key in HYPERPARAMETER_KEYS:
+            if key in checkpoint:
+                checkpoint = {**checkpoint, key: plain(checkpoint[key])}
         # Serialised in memory: torch.save reports a full disk as a RuntimeError, a
         # Python write as an OSError with its errno (one line from the CLI).
         buffer = io.BytesIO()

@@ -1,10 +1,13 @@
-"""A binary classifier: any ``net`` (given by class_path), BCE loss, torchmetrics accuracy."""
+"""A binary classifier: any ``net`` (given by class_path), BCE loss, torchmetrics accuracy,
+optimizer and scheduler as callables (LightningCLI's types; Hydra's ``_partial_`` in the
+template this follows)."""
 
 from __future__ import annotations
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torchmetrics.classification import BinaryAccuracy
 
@@ -21,9 +24,15 @@ class MLP(nn.Module):
 
 
 class CancerClassifier(L.LightningModule):
-    def __init__(self, net: nn.Module, lr: float = 1e-2, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        scheduler: LRSchedulerCallable | None = None,
+    ) -> None:
         super().__init__()
-        self.save_hyperparameters(logger=False, ignore=["net"])
+        # As the Hydra template does: every argument, the net and the callables included.
+        self.save_hyperparameters(logger=False)
         self.net = net
         self.train_acc = BinaryAccuracy()
         self.val_acc = BinaryAccuracy()
@@ -57,8 +66,8 @@ class CancerClassifier(L.LightningModule):
         self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.Adam(
-            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
-        )
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+        optimizer = self.hparams.optimizer(params=self.trainer.model.parameters())
+        if self.hparams.scheduler is None:
+            return {"optimizer": optimizer}
+        scheduler = self.hparams.scheduler(optimizer=optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler}}
