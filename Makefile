@@ -53,6 +53,7 @@ venv: $(STAMP) ## Create .venv from the lock (only what is missing or stale)
 repro: venv ## Run both pipelines (dvc repro): the digits default and the language model
 	$(BIN)/dvc repro
 	$(BIN)/dvc repro pipelines/lm/dvc.yaml
+	@$(BIN)/reprotrain reference-note
 
 # Test files run in parallel (pytest-xdist), one file per worker at a time, so module
 # fixtures (a training run shared by a file's tests) are built once; --durations lists

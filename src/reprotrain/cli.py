@@ -56,6 +56,7 @@ VERBS = {
     "noise-floor": "reprotrain.commands.noise_floor",
     "bench": "reprotrain.commands.bench",
     "ops": "reprotrain.commands.ops",
+    "reference-note": "reprotrain.commands.reference_note",
 }
 
 
