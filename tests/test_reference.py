@@ -8,6 +8,7 @@ classify the change; the slow one runs `make check-reference`'s command end to e
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -151,3 +152,25 @@ def test_a_stale_dep_in_dvc_lock_is_a_record_difference_not_an_output(reference:
     assert len(changes.lock_inputs) == 1
     assert changes.lock_inputs[0].startswith("train dep requirements-cpu.lock: ")
     assert changes.lock_inputs[0].endswith(f"-> '{'5' * 32}'")
+
+
+@pytest.mark.slow
+def test_check_reference_in_a_clone_with_no_dvc_cache_names_the_first_diverging_step(
+    repo_copy: Path, tmp_path: Path
+) -> None:
+    # A fresh clone has no DVC cache and no remote: the committed weights are out of
+    # reach, the committed trace (tracked in git) is not.
+    clone = tmp_path / "clone"
+    run_checked("git", "clone", "-q", repo_copy, clone, cwd=tmp_path)
+    assert not (clone / ".dvc" / "cache").exists()
+    inject = str(ROOT / "tests" / "inject")
+    result = run_cli(
+        "verify", "--reference", "HEAD", cwd=clone, PYTHONPATH=inject,
+        REPROTRAIN_TEST_NOISE_FROM_STEP="3",
+    )  # fmt: skip
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert "NOT REPRODUCED" in out and "not reachable" not in out, out
+    assert "only one run has weights" in out, out
+    # the injected layer (tests/inject) changes the network from the start: step 0 here
+    assert re.search(r"traces diverge at step \d+ \(row \d+\): \w+ differs first", out), out

@@ -105,7 +105,11 @@ def run_in_folder(folder: Path, label: str | None = None) -> RunFiles:
 
 
 def run_at_revision(repo: Path, rev: str, scratch: Path) -> RunFiles:
-    """Copy the run committed at ``rev`` into ``scratch`` (flat layout) and describe it."""
+    """Copy the run committed at ``rev`` into ``scratch`` (flat layout) and describe it.
+
+    The weights are DVC-cached; the trace is tracked in git (``cache: false``), so a
+    clone with no DVC cache still compares step by step, without the weights.
+    """
     import dvc.api
     from dvc.exceptions import DvcException
 
@@ -117,6 +121,7 @@ def run_at_revision(repo: Path, rev: str, scratch: Path) -> RunFiles:
     layout = train_outputs(scratch / "dvc.yaml")
     (scratch / "dvc.yaml").unlink()
     found: dict[str, Path] = {}
+    unread: dict[str, str] = {}
     for name, rel in layout.items():
         dest = scratch / FLAT[name]
         try:
@@ -126,14 +131,14 @@ def run_at_revision(repo: Path, rev: str, scratch: Path) -> RunFiles:
             ):
                 tmp.write_bytes(src.read())
         except (DvcException, FileNotFoundError) as err:
-            if name == "model":
-                raise DataError(
-                    f"{rel} at {rev}: cannot read it ({type(err).__name__}: {err}); "
-                    f"`dvc pull` that revision's outputs or rerun it with `dvc repro`"
-                ) from None
+            unread[name] = f"{rel} at {rev}: cannot read it ({type(err).__name__}: {err})"
             continue
         found[name] = dest
-    return RunFiles(rev, found["model"], *(found.get(name) for name in FLAT if name != "model"))
+    if "model" not in found and "trace" not in found:  # a trace in git is enough to compare
+        raise DataError(
+            f"{unread['model']}; `dvc pull` that revision's outputs or rerun it with `dvc repro`"
+        )
+    return RunFiles(rev, found.get("model"), *(found.get(name) for name in FLAT if name != "model"))
 
 
 def named_files(spec: str, model: str | None = None, trace: str | None = None) -> RunFiles:
