@@ -66,3 +66,23 @@ def test_by_hand_nothing_is_kept_or_put_back(
     _deleted_by_dvc(pipeline)
     assert put_back(OUTPUTS) == []
     assert not (pipeline / KEPT).exists()
+
+
+def test_a_keep_that_fails_part_way_keeps_nothing(
+    pipeline: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from reprotrain.pipeline import kept
+
+    linked = []
+
+    def full_disk(source: Path, target: Path) -> None:
+        if linked:
+            raise OSError(28, "No space left on device")
+        linked.append(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(source.read_bytes())
+
+    monkeypatch.setattr(kept, "_link", full_disk)
+    with pytest.raises(OSError):
+        keep(OUTPUTS)
+    assert not (pipeline / KEPT).exists()  # never a part of the last run to put back

@@ -63,15 +63,19 @@ def keep(outputs: Iterable[Path]) -> list[Path]:
         return []
     shutil.rmtree(folder, ignore_errors=True)
     kept = []
-    for output in _inside(outputs):
-        if output.is_file():
-            _link(output, folder / output)
-        elif output.is_dir():
-            for file in (p for p in output.rglob("*") if p.is_file()):
-                _link(file, folder / file)
-        else:
-            continue
-        kept.append(output)
+    try:
+        for output in _inside(outputs):
+            if output.is_file():
+                _link(output, folder / output)
+            elif output.is_dir():
+                for file in (p for p in output.rglob("*") if p.is_file()):
+                    _link(file, folder / file)
+            else:
+                continue
+            kept.append(output)
+    except OSError:  # all or nothing: never put back a part of the last run
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     return kept
 
 

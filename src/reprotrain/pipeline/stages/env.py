@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -211,6 +212,12 @@ def keep_train_outputs() -> None:
         keep(train_outputs(stage_arguments("train", dvc_yaml)))
     except DataError:  # a pipeline without a train stage: nothing to keep
         return
+    except OSError as err:  # no room or no rights under .dvc/tmp: train still runs
+        print(
+            f"reprotrain env: warning: train's outputs not kept aside ({err}); a refusal by the "
+            "train stage would leave them deleted",
+            file=sys.stderr,
+        )
 
 
 def planned_outputs(dvc_yaml: Path = DVC_YAML) -> PlannedOutputs | None:
