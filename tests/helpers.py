@@ -72,6 +72,54 @@ RUN_OUTPUTS = (
 )
 
 
+#: What a project's train stage writes (examples/tabular's dvc.yaml), compared byte for byte.
+PROJECT_TRAIN_OUTPUTS = (
+    "models/model.safetensors",
+    "models/trace.safetensors",
+    "reports/train_metrics.json",
+    "reports/plots/train/train_loss.csv",
+    "reports/plots/train/val.csv",
+)
+#: The train stage's output options and the file each writes in a flat run folder (RUN_OUTPUTS).
+RUN_FOLDER = {
+    "--model": "model.safetensors",
+    "--metrics": "metrics.json",
+    "--plots": "plots",
+    "--trace": "trace.safetensors",
+    "--run-record": "run.json",
+    "--checkpoints": "ckpt",
+}
+
+
+def project_train_argv(repo: Path, out: Path | None, *overrides: str) -> list[str]:
+    """A project's train stage command as its dvc.yaml has it; with ``out``, writing a flat
+    run folder (:data:`RUN_FOLDER`)."""
+    argv = stage_argv(repo, "train")
+    if out is not None:
+        for option, name in RUN_FOLDER.items():
+            argv[argv.index(option) + 1] = str(out / name)
+    return [*argv, *overrides]
+
+
+def ranks(world: int) -> tuple[str, ...]:
+    """The ``-S`` overrides for ``world`` processes on this machine (DDP above one)."""
+    strategy = "ddp" if world > 1 else "single_device"
+    return ("-S", f"train.devices={world}", "-S", f"train.strategy={strategy}")
+
+
+def injected(**variables: str) -> dict[str, str]:
+    """``variables`` with tests/inject first on PYTHONPATH (its sitecustomize reads them)."""
+    path = [str(ROOT / "tests" / "inject"), os.environ.get("PYTHONPATH")]
+    return {"PYTHONPATH": os.pathsep.join(filter(None, path)), **variables}
+
+
+def edit_once(path: Path, old: str, new: str) -> None:
+    """Replace the one occurrence of ``old`` in ``path``."""
+    text = path.read_text()
+    assert text.count(old) == 1, (path, old)
+    path.write_text(text.replace(old, new))
+
+
 def train_argv(prepared: Path, env: Path, out: Path, *overrides: str) -> list[str]:
     """`reprotrain train` arguments writing a flat run folder ``out`` (as verify's runs)."""
     return [

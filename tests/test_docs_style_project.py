@@ -20,7 +20,6 @@ and has its negative control:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -31,10 +30,16 @@ import torch
 from reprotrain.hashing import sha256_file
 from reprotrain.resume import sidecar
 from tests.helpers import (
+    PROJECT_TRAIN_OUTPUTS,
     ROOT,
+    RUN_OUTPUTS,
     built_once,
     cli_env,
     commit_all,
+    edit_once,
+    injected,
+    project_train_argv,
+    ranks,
     run_checked,
     run_cli,
     stage_argv,
@@ -44,13 +49,7 @@ pytestmark = pytest.mark.slow
 
 PACKAGE = ROOT / "tests" / "projects" / "cancer"
 LOCK = {"REPROTRAIN_LOCK": str(ROOT / "requirements-cpu.lock")}
-TRAIN_OUTPUTS = (
-    "models/model.safetensors",
-    "models/trace.safetensors",
-    "reports/train_metrics.json",
-    "reports/plots/train/train_loss.csv",
-    "reports/plots/train/val.csv",
-)
+TRAIN_OUTPUTS = PROJECT_TRAIN_OUTPUTS
 #: 398 training samples in batches of 32: 13 steps an epoch; step 17 is epoch 1's batch 5.
 SIGTERM_STEP = 17
 SECTIONS = """\
@@ -129,12 +128,6 @@ def _digests(repo: Path) -> dict[str, str]:
     return {name: sha256_file(repo / name) for name in TRAIN_OUTPUTS}
 
 
-def _edit(path: Path, old: str, new: str) -> None:
-    text = path.read_text()
-    assert text.count(old) == 1, (path, old)
-    path.write_text(text.replace(old, new))
-
-
 def test_the_modules_own_metric_names_reach_every_metrics_file(cancer_repo: Path) -> None:
     metrics = json.loads((cancer_repo / "reports" / "train_metrics.json").read_text())
     assert metrics["epochs"] == 4 and metrics["steps"] == 4 * 13
@@ -153,8 +146,8 @@ def test_verify_finds_it_identical_a_clock_seeded_loader_too_and_a_clock_seeded_
 ) -> None:
     short = ("-S", "train.max_epochs=1")
     data = project / "cancer" / "data.py"
-    _edit(data, "import lightning as L\n", "import time\n\nimport lightning as L\n")
-    _edit(
+    edit_once(data, "import lightning as L\n", "import time\n\nimport lightning as L\n")
+    edit_once(
         data,
         "            shuffle=True,\n",
         "            shuffle=True,\n"
@@ -166,8 +159,8 @@ def test_verify_finds_it_identical_a_clock_seeded_loader_too_and_a_clock_seeded_
 
     # Negative control: a draw no seed reaches, in the module's forward.
     model = project / "cancer" / "model.py"
-    _edit(model, "import lightning as L\n", "import time\n\nimport lightning as L\n")
-    _edit(
+    edit_once(model, "import lightning as L\n", "import time\n\nimport lightning as L\n")
+    edit_once(
         model,
         "        return self.net(x)\n",
         "        clock = torch.Generator().manual_seed(time.time_ns())\n"
@@ -189,7 +182,7 @@ def test_a_changed_line_of_the_package_moves_the_run_id_and_restoring_it_restore
     first = run_id()
     model = project / "cancer" / "model.py"
     original = model.read_text()
-    _edit(model, "nn.ReLU()", "nn.GELU()")
+    edit_once(model, "nn.ReLU()", "nn.GELU()")
     assert run_id() != first
     model.write_text(original)
     assert run_id() == first
@@ -199,10 +192,7 @@ def _interrupted(project: Path, argv: list[str], step: int) -> None:
     """The train stage stopped by SIGTERM at the start of ``step``, its outputs gone first."""
     for name in (*TRAIN_OUTPUTS, "reports/run.json"):
         (project / name).unlink(missing_ok=True)
-    inject = os.pathsep.join(
-        filter(None, [str(ROOT / "tests" / "inject"), os.environ.get("PYTHONPATH")])
-    )
-    result = _cli(project, *argv, PYTHONPATH=inject, REPROTRAIN_TEST_SIGTERM_AT_STEP=str(step))
+    result = _cli(project, *argv, **injected(REPROTRAIN_TEST_SIGTERM_AT_STEP=str(step)))
     assert result.returncode == 130, result.stdout + result.stderr
     assert f"epoch=1-step={step + 1}.ckpt, is kept" in result.stderr, result.stderr
 
@@ -237,42 +227,16 @@ def test_sigterm_mid_epoch_then_the_same_command_gives_the_uninterrupted_bits(
     assert other["reports/plots/train/val.csv"] != straight["reports/plots/train/val.csv"]
 
 
-#: The train stage's output options and the file each writes in a flat run folder.
-RUN_FOLDER = {
-    "--model": "model.safetensors",
-    "--metrics": "metrics.json",
-    "--plots": "plots",
-    "--trace": "trace.safetensors",
-    "--run-record": "run.json",
-    "--checkpoints": "ckpt",
-}
-
-
 def _train(repo: Path, out: Path, world: int, *overrides: str) -> Path:
     """The train stage's command, writing a flat run folder, on ``world`` processes."""
-    argv = stage_argv(repo, "train")
-    for option, name in RUN_FOLDER.items():
-        argv[argv.index(option) + 1] = str(out / name)
-    layout = (
-        "-S",
-        f"train.devices={world}",
-        "-S",
-        f"train.strategy={'ddp' if world > 1 else 'single_device'}",
-    )
-    result = _cli(repo, *argv, "-S", "train.max_epochs=1", *overrides, *layout)
+    argv = project_train_argv(repo, out, "-S", "train.max_epochs=1", *overrides, *ranks(world))
+    result = _cli(repo, *argv)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
 
 def _files(out: Path) -> dict[str, str]:
-    names = (
-        "model.safetensors",
-        "trace.safetensors",
-        "metrics.json",
-        "plots/train_loss.csv",
-        "plots/val.csv",
-    )
-    return {name: sha256_file(out / name) for name in names}
+    return {name: sha256_file(out / name) for name in RUN_OUTPUTS}
 
 
 def test_world_sizes_1_2_and_4_train_the_same_files_under_invariance_and_ddp_repeats_its_own(
@@ -305,7 +269,7 @@ def test_check_reference_reproduces_the_committed_run(project: Path) -> None:
 def _own_sampler(project: Path) -> None:
     """The module's training loader samples with WeightedRandomSampler: its order is its own."""
     data = project / "cancer" / "data.py"
-    _edit(
+    edit_once(
         data,
         "            shuffle=True,\n",
         "            sampler=torch.utils.data.WeightedRandomSampler(\n"
@@ -322,8 +286,8 @@ def test_a_loader_with_its_own_order_trains_bitwise_and_refuses_ddp_at_env_and_r
     # DDP shards the pipeline's order: refused by the env stage, before DVC deletes anything.
     before = _digests(project)
     params = project / "params.yaml"
-    _edit(params, "strategy: single_device", "strategy: ddp")
-    _edit(params, "devices: 1", "devices: 2")
+    edit_once(params, "strategy: single_device", "strategy: ddp")
+    edit_once(params, "devices: 1", "devices: 2")
     result = subprocess.run(
         ["dvc", "repro"], cwd=project, env=cli_env(**LOCK), capture_output=True, text=True
     )
@@ -341,12 +305,9 @@ def test_a_loader_with_its_own_order_trains_bitwise_and_refuses_ddp_at_env_and_r
     straight = _cli(project, *argv, "-S", "train.max_epochs=2")
     assert straight.returncode == 0, straight.stderr
     first = _digests(project)
-    inject = os.pathsep.join(
-        filter(None, [str(ROOT / "tests" / "inject"), os.environ.get("PYTHONPATH")])
-    )
     stopped = _cli(
-        project, *argv, "-S", "train.max_epochs=2", PYTHONPATH=inject,
-        REPROTRAIN_TEST_SIGTERM_AT_STEP=str(SIGTERM_STEP),
+        project, *argv, "-S", "train.max_epochs=2",
+        **injected(REPROTRAIN_TEST_SIGTERM_AT_STEP=str(SIGTERM_STEP)),
     )  # fmt: skip
     assert stopped.returncode == 130, stopped.stdout + stopped.stderr
     assert "no checkpoint kept: resume needs the pipeline to draw the training order" in (

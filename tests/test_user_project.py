@@ -26,7 +26,6 @@ in its own copy of it (:func:`project`) and has a negative control:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -37,14 +36,18 @@ import torch
 from reprotrain.hashing import sha256_file
 from reprotrain.resume import sidecar
 from tests.helpers import (
+    PROJECT_TRAIN_OUTPUTS,
     ROOT,
     RUN_OUTPUTS,
     built_once,
     cli_env,
     commit_all,
+    edit_once,
+    injected,
+    project_train_argv,
+    ranks,
     run_checked,
     run_cli,
-    stage_argv,
 )
 
 pytestmark = pytest.mark.slow
@@ -53,24 +56,9 @@ EXAMPLE = ROOT / "examples" / "tabular"
 #: The env stage records the installed packages against this lock (no lock file in the example).
 LOCK = {"REPROTRAIN_LOCK": str(ROOT / "requirements-cpu.lock")}
 #: What the train stage writes (DVC outputs and metrics), compared byte for byte.
-TRAIN_OUTPUTS = (
-    "models/model.safetensors",
-    "models/trace.safetensors",
-    "reports/train_metrics.json",
-    "reports/plots/train/train_loss.csv",
-    "reports/plots/train/val.csv",
-)
+TRAIN_OUTPUTS = PROJECT_TRAIN_OUTPUTS
 #: Everything the earlier run left that a refused run must not touch.
 EARLIER_OUTPUTS = (*TRAIN_OUTPUTS, "reports/run.json", "reports/metrics.json", "dvc.lock")
-#: The train stage's output options and the file each writes in a flat run folder (RUN_OUTPUTS).
-RUN_FOLDER = {
-    "--model": "model.safetensors",
-    "--metrics": "metrics.json",
-    "--plots": "plots",
-    "--trace": "trace.safetensors",
-    "--run-record": "run.json",
-    "--checkpoints": "ckpt",
-}
 #: 106 training samples in batches of 16: 7 steps an epoch; step 10 is epoch 1's batch 3.
 SIGTERM_STEP = 10
 INTERRUPT_CHECKPOINT = f"epoch=1-step={SIGTERM_STEP + 1}.ckpt"
@@ -131,33 +119,12 @@ def _digests(repo: Path, names: tuple[str, ...]) -> dict[str, str]:
     return {name: sha256_file(repo / name) for name in names}
 
 
-def _edit(path: Path, old: str, new: str) -> None:
-    """Replace the one occurrence of ``old`` in ``path``."""
-    text = path.read_text()
-    assert text.count(old) == 1, (path, old)
-    path.write_text(text.replace(old, new))
-
-
 def _error_line(result: subprocess.CompletedProcess[str]) -> str:
     """The one ``reprotrain: error:`` line of a failed command (and no traceback)."""
     output = result.stdout + result.stderr
     errors = [line for line in output.splitlines() if line.startswith("reprotrain: error:")]
     assert len(errors) == 1 and "Traceback" not in output, output
     return errors[0]
-
-
-def _train_argv(repo: Path, out: Path | None, *overrides: str) -> list[str]:
-    """The train stage's command as dvc.yaml has it; with ``out``, writing a flat run folder."""
-    argv = stage_argv(repo, "train")
-    if out is not None:
-        for option, name in RUN_FOLDER.items():
-            argv[argv.index(option) + 1] = str(out / name)
-    return [*argv, *overrides]
-
-
-def _ranks(world: int) -> tuple[str, ...]:
-    strategy = "ddp" if world > 1 else "single_device"
-    return ("-S", f"train.devices={world}", "-S", f"train.strategy={strategy}")
 
 
 # -- the cache key and the run ID --------------------------------------------------------
@@ -185,7 +152,7 @@ def test_a_changed_line_of_user_code_flips_status_and_the_run_id_and_restoring_i
     before = _run_id(project)
     assert before == _recorded_run_id(project)
 
-    _edit(project / "wine" / "model.py", "nn.ReLU(),", "nn.Tanh(),")
+    edit_once(project / "wine" / "model.py", "nn.ReLU(),", "nn.Tanh(),")
     stale("wine")
     assert _run_id(project) != before
 
@@ -217,7 +184,7 @@ def test_dvc_repro_retrains_a_changed_line_and_the_revert_gives_back_the_first_b
 ) -> None:
     first = _digests(wine_repo, (*TRAIN_OUTPUTS, "reports/metrics.json"))
     first_id = _recorded_run_id(wine_repo)
-    _edit(project / "wine" / "model.py", "nn.ReLU(),", "nn.Tanh(),")
+    edit_once(project / "wine" / "model.py", "nn.ReLU(),", "nn.Tanh(),")
     out = run_checked("dvc", "repro", cwd=project, **LOCK)
     assert "Running stage 'train'" in out, out
     assert _recorded_run_id(project) != first_id
@@ -253,8 +220,8 @@ def test_verify_finds_the_example_identical_and_a_planted_unseeded_draw_not(
     # Negative control: the data module's feature noise from a generator seeded by
     # os.urandom, the kind of draw no seed reaches.
     data = project / "wine" / "data.py"
-    _edit(data, "import csv\n", "import csv\nimport os\n")
-    _edit(
+    edit_once(data, "import csv\n", "import csv\nimport os\n")
+    edit_once(
         data,
         "torch.randn(x.shape, dtype=x.dtype)",
         "torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed("
@@ -276,7 +243,7 @@ def test_world_sizes_1_and_2_give_the_same_files_only_under_the_invariant_mode(
 
     def train(name: str, world: int, *overrides: str) -> Path:
         out = tmp_path / name
-        result = _cli(project, *_train_argv(project, out, *short, *overrides, *_ranks(world)))
+        result = _cli(project, *project_train_argv(project, out, *short, *overrides, *ranks(world)))
         assert result.returncode == 0, result.stderr[-3000:]
         if world == 2:  # two processes trained, not one
             assert "reprotrain train: rank 1 trained run" in result.stdout, result.stdout
@@ -303,7 +270,7 @@ def test_world_sizes_1_2_and_4_give_the_same_files_under_the_invariant_mode_and_
 
     def train(name: str, world: int, *overrides: str) -> Path:
         out = tmp_path / name
-        result = _cli(project, *_train_argv(project, out, *short, *overrides, *_ranks(world)))
+        result = _cli(project, *project_train_argv(project, out, *short, *overrides, *ranks(world)))
         assert result.returncode == 0, result.stderr[-3000:]
         for rank in range(1, world):  # every process trained, not rank 0 alone
             assert f"reprotrain train: rank {rank} trained run" in result.stdout, result.stdout
@@ -326,10 +293,7 @@ def test_world_sizes_1_2_and_4_give_the_same_files_under_the_invariant_mode_and_
 
 def _sigterm_at_step(repo: Path, argv: list[str]) -> None:
     """Run the train stage with SIGTERM at the start of step SIGTERM_STEP (tests/inject)."""
-    path = os.pathsep.join(
-        filter(None, [str(ROOT / "tests" / "inject"), os.environ.get("PYTHONPATH")])
-    )
-    result = _cli(repo, *argv, PYTHONPATH=path, REPROTRAIN_TEST_SIGTERM_AT_STEP=str(SIGTERM_STEP))
+    result = _cli(repo, *argv, **injected(REPROTRAIN_TEST_SIGTERM_AT_STEP=str(SIGTERM_STEP)))
     assert result.returncode == 130, result.stdout + result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("reprotrain: error: training interrupted (SIGTERM)"), last
@@ -369,11 +333,11 @@ def test_sigterm_mid_epoch_then_the_same_command_gives_the_uninterrupted_bits(
     # The train stage's own command (dvc.yaml), in the project; with no override its run
     # ID is the reference run's, so wine_repo's outputs are the uninterrupted bits.
     if workers == 0:
-        argv = _train_argv(project, None)  # the reference run's command: 20 epochs
+        argv = project_train_argv(project, None)  # the reference run's command: 20 epochs
         straight = _digests(wine_repo, TRAIN_OUTPUTS)
     else:  # another run ID: an uninterrupted run of its own first (3 epochs)
         overrides = ("-S", f"data.init_args.num_workers={workers}", "-S", "train.max_epochs=3")
-        argv = _train_argv(project, None, *overrides)
+        argv = project_train_argv(project, None, *overrides)
         result = _cli(project, *argv)
         assert result.returncode == 0, result.stderr
         straight = _digests(project, TRAIN_OUTPUTS)
@@ -445,7 +409,7 @@ def test_the_env_stage_refuses_a_broken_contract_in_one_line_before_dvc_deletes_
     case: str, project: Path, wine_repo: Path
 ) -> None:
     file, old, new, says = REFUSED_BEFORE_DELETION[case]
-    _edit(project / file, old, new)
+    edit_once(project / file, old, new)
     result = _dvc(project, "repro")
     assert result.returncode != 0, result.stdout + result.stderr
     line = _error_line(result)
@@ -458,7 +422,7 @@ def test_an_iterable_training_dataset_is_refused_in_one_line_and_the_earlier_out
     project: Path, wine_repo: Path
 ) -> None:
     data = project / "wine" / "data.py"
-    _edit(
+    edit_once(
         data,
         'return NoisyFeatures(*self._split("train"), noise=self.noise)',
         'return Stream(NoisyFeatures(*self._split("train"), noise=self.noise))',
@@ -485,7 +449,7 @@ def test_an_iterable_training_dataset_is_refused_in_one_line_and_the_earlier_out
     assert not list((project / "checkpoints").rglob("*.ckpt"))
     # Control: by hand (no dvc repro), nothing is kept or put back.
     _without_outputs(project)
-    result = _cli(project, *_train_argv(project, None))
+    result = _cli(project, *project_train_argv(project, None))
     assert "the earlier outputs are back" not in _error_line(result)
     assert not (project / "models" / "model.safetensors").exists()
 
@@ -500,7 +464,7 @@ def test_compare_finds_two_runs_identical_and_blames_another_seed_from_step_zero
 
     def train(name: str, *overrides: str) -> Path:
         out = tmp_path / name
-        result = _cli(project, *_train_argv(project, out, *short, *overrides))
+        result = _cli(project, *project_train_argv(project, out, *short, *overrides))
         assert result.returncode == 0, result.stderr[-3000:]
         return out
 
@@ -543,7 +507,7 @@ def test_opdiff_finds_two_recordings_of_a_step_identical_and_names_planted_noise
     def recorded(name: str) -> Path:
         out = tmp_path / name
         ops = out / "ops"
-        argv = _train_argv(project, out, *short)
+        argv = project_train_argv(project, out, *short)
         result = _cli(
             project, *argv, REPROTRAIN_RECORD_OPS=RECORDED_STEP, REPROTRAIN_OPS_DIR=str(ops)
         )
@@ -558,8 +522,8 @@ def test_opdiff_finds_two_recordings_of_a_step_identical_and_names_planted_noise
 
     # Negative control: unseeded NumPy noise in the user's training_step, recorded twice.
     model = project / "wine" / "model.py"
-    _edit(model, "import torch\n", "import numpy as np\nimport torch\n")
-    _edit(model, *NUMPY_NOISE)
+    edit_once(model, "import torch\n", "import numpy as np\nimport torch\n")
+    edit_once(model, *NUMPY_NOISE)
     c, d = recorded("noisy-c"), recorded("noisy-d")
     text = _cli(project, "opdiff", c, d)
     assert text.returncode == 1, text.stdout + text.stderr

@@ -31,9 +31,9 @@ from reprotrain.pipeline.config import ConfigError, Params, check_invariant_layo
 from reprotrain.pipeline.data import map_style
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.own_loaders import (
-    ORDER_GUARANTEES,
     OwnLoader,
     defines_own_loader,
+    order_problem,
     own_loader,
 )
 from reprotrain.pipeline.recipe import Recipe, linked_arguments
@@ -143,22 +143,14 @@ def check_datasets(datamodule: Any) -> None:
 
 
 def order_refusal(params: Params, train_loader: OwnLoader | None) -> str | None:
-    """Why ``params`` asks for a guarantee the module's own training order cannot give; None
-    when the loader's order is the pipeline's (or the module gives datasets)."""
-    if train_loader is None:
-        return None
-    if train_loader.kept_order is not None:
-        if params.train.strategy == "ddp" and not params.train.world_size_invariant:
-            return train_loader.refusal(ORDER_GUARANTEES[1])
-        if params.train.world_size_invariant:
-            return train_loader.refusal(ORDER_GUARANTEES[2])
-        return None
-    if params.train.world_size_invariant:
-        if not train_loader.shuffle:
-            return (
-                f"{ORDER_GUARANTEES[2]} draws one seeded global order, but "
-                f"{train_loader.where} asks for no shuffle; shuffle it or leave the mode off"
-            )
+    """Why ``params`` asks for a guarantee the module's own training order cannot give
+    (:func:`~reprotrain.pipeline.own_loaders.order_problem`), or a batch layout that
+    world-size invariance cannot split; None when neither."""
+    invariant = params.train.world_size_invariant
+    shard = params.train.strategy == "ddp" and not invariant
+    if problem := order_problem(train_loader, shard, invariant):
+        return problem
+    if invariant and train_loader is not None and train_loader.kept_order is None:
         check_invariant_layout(params.train, int(train_loader.batch_size or 0), train_loader.where)
     return None
 

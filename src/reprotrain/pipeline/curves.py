@@ -65,6 +65,7 @@ class MemoryLogger(Logger):
     def __init__(self, training_metrics: bool = True) -> None:
         super().__init__()
         self._rows: list[tuple[str, int, str, float]] = []
+        self._held: set[tuple[str, int, str]] = set()  # each row's (level, index, name)
         self.training_metrics = training_metrics
         #: What Lightning flushes next (set by :class:`MetricLevels`) and the epoch it is in.
         self.level, self.epoch = STEP, 0
@@ -96,11 +97,20 @@ class MemoryLogger(Logger):
 
     def add(self, level: str, index: int, metrics: Mapping[str, Any]) -> None:
         """Rows of ``metrics`` (logged names) at ``index``; a row already there stays."""
-        held = {row[:3] for row in self._rows}
         for logged, value in metrics.items():
             row = (level, index, written_name(logged))
-            if logged != "epoch" and row not in held:
+            if logged != "epoch" and row not in self._held:
                 self._rows.append((*row, float(value)))
+                self._held.add(row)
+
+    @property
+    def rows_held(self) -> list[tuple[str, int, str, float]]:
+        """Every row, for a checkpoint."""
+        return list(self._rows)
+
+    def restore(self, rows: list[tuple[str, int, str, float]]) -> None:
+        """Rows read back from a checkpoint, in place of these."""
+        self._rows, self._held = list(rows), {row[:3] for row in rows}
 
     def names(self, level: str) -> list[str]:
         """Every name of ``level`` rows, in the order first logged."""
@@ -144,7 +154,28 @@ class MetricLevels(L.Callback):
         self._set(trainer, EPOCH if self.logger.training_metrics else SKIP)
 
 
-class CurveCheckpoint(L.Callback):
+class _CheckpointPlace(L.Callback):
+    """Where in the epoch a checkpoint is being written: inside a training batch (at SIGTERM,
+    ``InterruptCheckpoint``), or at an epoch's end (after validation or the training epoch)."""
+
+    def __init__(self) -> None:
+        self._trainer: L.Trainer | None = None
+        self._in_batch = False
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._in_batch = True
+
+    def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._in_batch = False
+
+    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._in_batch = False
+
+
+class CurveCheckpoint(_CheckpointPlace):
     """Saves a :class:`MemoryLogger`'s rows with each checkpoint and restores them on resume.
 
     Lightning flushes what was logged after the hooks in which checkpoints are
@@ -159,22 +190,9 @@ class CurveCheckpoint(L.Callback):
     """
 
     def __init__(self, logger: MemoryLogger) -> None:
+        super().__init__()
         self.logger = logger
-        self._trainer: L.Trainer | None = None
         self._pending: tuple[int, float] | None = None
-        self._in_batch = False
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._trainer = trainer
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self._in_batch = True
-
-    def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self._in_batch = False
-
-    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self._in_batch = False
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -193,7 +211,7 @@ class CurveCheckpoint(L.Callback):
 
     def state_dict(self) -> dict[str, Any]:
         kept = MemoryLogger()
-        kept._rows = list(self.logger._rows)
+        kept.restore(self.logger.rows_held)
         if self._pending is not None:
             kept.add(STEP, self._pending[0], {LOGGED_LOSS: self._pending[1]})
         if self._trainer is not None:
@@ -203,10 +221,10 @@ class CurveCheckpoint(L.Callback):
                 kept.add(STEP, self._pending[0], step_rows)
             elif not self._in_batch and self.logger.training_metrics:
                 kept.add(EPOCH, self._trainer.current_epoch, results.metrics(False)["log"])
-        return {"rows": [list(row) for row in kept._rows]}
+        return {"rows": [list(row) for row in kept.rows_held]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.logger._rows = [(str(lv), int(i), str(n), float(v)) for lv, i, n, v in state["rows"]]
+        self.logger.restore([(str(lv), int(i), str(n), float(v)) for lv, i, n, v in state["rows"]])
 
 
 class TrainLossLogger(L.Callback):
@@ -237,7 +255,7 @@ class TrainLossLogger(L.Callback):
             pl_module.log(LOGGED_LOSS, loss, on_step=True, on_epoch=False)
 
 
-class EpochAccumulators(L.Callback):
+class EpochAccumulators(_CheckpointPlace):
     """What a module's ``on_epoch`` training metrics have summed so far, kept in a checkpoint
     written mid-epoch and put back on resume, so the epoch's value is the uninterrupted run's.
 
@@ -253,22 +271,9 @@ class EpochAccumulators(L.Callback):
     """
 
     def __init__(self) -> None:
-        self._trainer: L.Trainer | None = None
-        self._in_batch = False
+        super().__init__()
         self._sums: dict[str, dict[str, torch.Tensor]] = {}
         self._metrics: dict[str, dict[str, Any]] = {}
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._trainer = trainer
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self._in_batch = True
-
-    def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self._in_batch = False
-
-    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self._in_batch = False
 
     def state_dict(self) -> dict[str, Any]:
         local: dict[str, Any] = {"sums": {}, "metrics": {}}

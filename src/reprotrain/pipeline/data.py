@@ -59,7 +59,13 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from reprotrain.distributed.worldsize import MicroBatchSampler, sample_seed
 from reprotrain.pipeline.errors import DataError
-from reprotrain.pipeline.own_loaders import ORDER_GUARANTEES, OwnLoader, own_loader
+from reprotrain.pipeline.own_loaders import (
+    ORDER_GUARANTEES,
+    TRAINING_OVERRIDES,
+    OwnLoader,
+    order_problem,
+    own_loader,
+)
 
 
 class SampleSeeded(Dataset):
@@ -145,26 +151,19 @@ class PipelineLoaders(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         own = self.own("train")
+        invariant = self.micro_batch_size is not None
+        if problem := order_problem(own, self.shard, invariant):
+            raise DataError(problem)
         if own is not None and own.kept_order is not None:
-            if self.shard:
-                raise DataError(own.refusal(ORDER_GUARANTEES[1]))
-            if self.micro_batch_size is not None:
-                raise DataError(own.refusal(ORDER_GUARANTEES[2]))
             return own.loader
         if own is None:
             dataset = map_style(self.source.train_dataset(), "train")  # type: ignore[attr-defined]
             chosen = _chosen(self.source)
             shuffle, drop_last = True, False
         else:
-            dataset, chosen = own.dataset, {**own.arguments, "persistent_workers": False}
+            dataset, chosen = own.dataset, {**own.arguments, **TRAINING_OVERRIDES}
             shuffle, drop_last = own.shuffle, own.drop_last
-        if self.micro_batch_size is not None:
-            if not shuffle:
-                raise DataError(
-                    f"{own.where if own else 'train_dataset()'} asks for no shuffle, but "  # type: ignore[union-attr]
-                    f"{ORDER_GUARANTEES[2]} draws one seeded global order; shuffle it, or "
-                    "leave world-size invariance off (docs/your-model.md)"
-                )
+        if invariant:
             if not getattr(dataset, "accepts_sample_keys", False):
                 dataset = SampleSeeded(dataset)
             rank, ranks = self.trainer.global_rank, self.trainer.world_size

@@ -46,11 +46,9 @@ ORDER_GUARANTEES = ("mid-epoch resume", "DDP sharding (train.strategy: ddp)",
                     "world-size invariance (train.world_size_invariant)")  # fmt: skip
 #: DataLoader arguments that make the order or the workers' seeds; the pipeline sets them.
 ORDER_ARGUMENTS = ("sampler", "batch_sampler", "shuffle", "generator", "batch_size", "drop_last")
-#: Arguments the pipeline overrides in a rebuilt training loader, and why.
-OVERRIDDEN = {
-    "persistent_workers": "each epoch's workers are seeded from the run's generator, so a "
-    "resumed epoch replays the same augmentation",
-}
+#: What the pipeline overrides in a rebuilt training loader: each epoch's workers are seeded
+#: from the run's generator, so a resumed epoch replays the same augmentation.
+TRAINING_OVERRIDES = {"persistent_workers": False}
 
 
 def defines_own_loader(cls: type, split: str) -> bool:
@@ -90,6 +88,23 @@ class OwnLoader:
             "return a torch DataLoader over a map-style dataset with shuffle=True or False "
             "(docs/your-model.md)"
         )
+
+
+def order_problem(loader: OwnLoader | None, shard: bool, invariant: bool) -> str | None:
+    """Why sharding (DDP) or world-size invariance cannot draw this training loader's order;
+    None when it can (or the data module gives datasets: the pipeline's order, shuffled)."""
+    if loader is None:
+        return None
+    if loader.kept_order is not None:
+        if invariant:
+            return loader.refusal(ORDER_GUARANTEES[2])
+        return loader.refusal(ORDER_GUARANTEES[1]) if shard else None
+    if invariant and not loader.shuffle:
+        return (
+            f"{ORDER_GUARANTEES[2]} draws one seeded global order, but "
+            f"{loader.where} asks for no shuffle; shuffle it or leave the mode off"
+        )
+    return None
 
 
 def own_loader(datamodule: L.LightningDataModule, split: str) -> OwnLoader | None:

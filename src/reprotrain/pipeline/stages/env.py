@@ -147,6 +147,7 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         return explain_difference(*args.diff)
     params, note = stage_params(args.params, printing=args.out is None and args.raw_dir is None)
     record = whole_environment(args.lock, params)
+    train = pipeline_train_stage()
     checked = ""
     if args.out is not None or args.raw_dir is not None:
         from reprotrain.pipeline.contract import (
@@ -162,7 +163,7 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         check_world_size_invariance(params, recipe)
         check_loaders(params, recipe)
         checked = f"; checked {recipe.model.class_path} and {recipe.data.class_path}"
-        checked += unread_data_note(recipe)
+        checked += unread_data_note(recipe, train)
         if args.raw_dir is not None:
             flags = record[HOST_KEY]["cpu"]["dispatch_flags"]
             checks = preflight(
@@ -173,26 +174,32 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         shown = {**record, "git": git_state(Path.cwd())}
         return f"environment\n{note}" + json.dumps(shown, indent=2, sort_keys=True)
     atomic_write_text(args.out, canonical_json(bit_deciding(record)))
-    keep_train_outputs()
+    keep_train_outputs(train)
     if args.host_out is not None:
         atomic_write_text(args.host_out, canonical_json(record[HOST_KEY]))
     drift = "" if record["lock"]["exact"] else f"; {len(record['lock']['drift'])} packages drift"
     return f"recorded environment -> {args.out}{drift}{checked}"
 
 
-def unread_data_note(recipe: Recipe) -> str:
-    """``; note: ...`` when, under ``dvc repro``, the train stage's ``--data`` files are named
-    by no data argument (:func:`~reprotrain.pipeline.contract.unread_data_files`)."""
-    from reprotrain.pipeline.contract import unread_data_files
+def pipeline_train_stage() -> argparse.Namespace | None:
+    """Under ``dvc repro``, the train stage's options as this pipeline's ``dvc.yaml`` writes
+    them; None outside ``dvc repro`` or in a pipeline without a train stage."""
     from reprotrain.pipeline.kept import pipeline_file
 
     if (dvc_yaml := pipeline_file()) is None:
-        return ""
+        return None
     try:
-        data = stage_arguments("train", dvc_yaml).data
-    except DataError:  # no train stage here
-        return ""
-    if not (unread := unread_data_files(recipe, data)):
+        return stage_arguments("train", dvc_yaml)
+    except DataError:
+        return None
+
+
+def unread_data_note(recipe: Recipe, train: argparse.Namespace | None) -> str:
+    """``; note: ...`` when the ``train`` stage's ``--data`` files are named by no data
+    argument (:func:`~reprotrain.pipeline.contract.unread_data_files`)."""
+    from reprotrain.pipeline.contract import unread_data_files
+
+    if train is None or not (unread := unread_data_files(recipe, train.data)):
         return ""
     files = " ".join(f"--data {path}" for path in unread)
     return (
@@ -202,16 +209,14 @@ def unread_data_note(recipe: Recipe) -> str:
     )
 
 
-def keep_train_outputs() -> None:
-    """Under ``dvc repro``, keep train's outputs aside (:mod:`reprotrain.pipeline.kept`)."""
-    from reprotrain.pipeline.kept import keep, pipeline_file, train_outputs
+def keep_train_outputs(train: argparse.Namespace | None) -> None:
+    """Keep the ``train`` stage's outputs aside (:mod:`reprotrain.pipeline.kept`)."""
+    from reprotrain.pipeline.kept import keep, train_outputs
 
-    if (dvc_yaml := pipeline_file()) is None:
+    if train is None:
         return
     try:
-        keep(train_outputs(stage_arguments("train", dvc_yaml)))
-    except DataError:  # a pipeline without a train stage: nothing to keep
-        return
+        keep(train_outputs(train))
     except OSError as err:  # no room or no rights under .dvc/tmp: train still runs
         print(
             f"reprotrain env: warning: train's outputs not kept aside ({err}); a refusal by the "
