@@ -49,16 +49,45 @@ def cli_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def run_cli(*args: str | Path, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run `python -m reprotrain ARGS` in a fresh process; never raises on failure."""
-    return subprocess.run(
-        [sys.executable, "-m", "reprotrain", *map(str, args)],
-        cwd=cwd,
-        env=cli_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=600,
+#: Seconds a command may run before the suite calls it hung (a whole pipeline on 2 busy
+#: cores takes a few minutes at most).
+HUNG_AFTER_S = 600
+
+
+def run_process(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in a session of its own; never raises on failure, fails a test on a hang.
+
+    A command still running after :data:`HUNG_AFTER_S` is hung: every Python process
+    it started (DDP ranks, DataLoader workers, dvc's stages) gets SIGABRT and, with
+    ``PYTHONFAULTHANDLER`` set, prints every thread's stack, which the failure shows.
+    """
+    with subprocess.Popen(
+        cmd, cwd=cwd, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    ) as proc:  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=HUNG_AFTER_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(_stacks_of_hung(proc, " ".join(cmd))) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _stacks_of_hung(proc: subprocess.Popen, command: str) -> str:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGABRT)
+    time.sleep(5)  # each process writes its stacks, then aborts
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    stdout, stderr = proc.communicate()
+    return (
+        f"hung: still running after {HUNG_AFTER_S} s: {command}\nstdout:\n{stdout[-4000:]}\n"
+        f"stderr, with every process's stacks at SIGABRT:\n{stderr[-30000:]}"
     )
+
+
+def run_cli(*args: str | Path, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run `python -m reprotrain ARGS` in a fresh process (:func:`run_process`)."""
+    return run_process([sys.executable, "-m", "reprotrain", *map(str, args)], cwd, cli_env(**env))
 
 
 #: The files one training writes into a run folder (train_argv), compared byte for byte.
@@ -164,14 +193,7 @@ def run_in_process(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 def run_checked(*cmd: str | Path, cwd: Path, **env: str) -> str:
     """Run a command (dvc, git, reprotrain...) in a fresh process; fail the test if it fails."""
-    result = subprocess.run(
-        [str(c) for c in cmd],
-        cwd=cwd,
-        env=cli_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_process([str(c) for c in cmd], cwd, cli_env(**env))
     assert result.returncode == 0, f"{' '.join(map(str, cmd))}\n{result.stdout}\n{result.stderr}"
     return result.stdout + result.stderr
 

@@ -29,7 +29,15 @@ from reprotrain.distributed.worldsize import (
 )
 from reprotrain.hashing import sha256_file
 from reprotrain.pipeline.config import ConfigError, load_params
-from tests.helpers import ROOT, RUN_OUTPUTS, cli_env, run_checked, run_cli, train_argv
+from tests.helpers import (
+    ROOT,
+    RUN_OUTPUTS,
+    cli_env,
+    run_checked,
+    run_cli,
+    run_process,
+    train_argv,
+)
 
 SCRIPT = ROOT / "tests" / "scripts" / "invariant_fit.py"
 #: What a user's launcher sets before Python starts (hash seed, one thread per rank).
@@ -158,10 +166,7 @@ def test_the_world_size_leaves_the_record_only_in_the_mode() -> None:
 
 def _script(out: Path, *args: str, **variables: str) -> Path:
     env = cli_env(**SCRIPT_ENV, **variables)
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), *args], cwd=out.parent, env=env,
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    result = run_process([sys.executable, str(SCRIPT), str(out), *args], out.parent, env)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
