@@ -10,6 +10,7 @@ script without a fault is IDENTICAL (negative control).
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import json
@@ -453,3 +454,28 @@ def test_a_lightning_script_is_identical_and_its_unseeded_workers_are_found(tmp_
     assert op["op"]["phase"] == "forward" and op["op"]["module"] == "body.0"
     shows = _line_of("# SHOWS workers", LIGHTNING_SCRIPT)
     assert op["op"]["line"] == f"{LIGHTNING_SCRIPT.relative_to(ROOT)}:{shows}"
+
+
+
+def _record_deep_copy(out: Path, garbage: float) -> Path:
+    """A step that deep-copies a tensor first (as Lightning and torchmetrics do for each
+    logged name), just after freeing memory that held ``garbage``: the copy's fresh
+    storage may reuse it, holds it at the copy's ``set_``, and is filled only after."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x = torch.randn(8, 4)
+    state = torch.tensor(0.5)
+    torch.full((1,), garbage)  # freed at once
+    with record_step(model, 0, steps=(0, 0), out=out, batch=(x,)):
+        default = copy.deepcopy(state)
+        (model(x) * default).sum().item()
+    return out / "ops-rank0.safetensors"
+
+
+def test_a_deep_copy_is_identical_whatever_its_fresh_storage_held(tmp_path: Path) -> None:
+    a, b = _record_deep_copy(tmp_path / "a", 1.0), _record_deep_copy(tmp_path / "b", 2.0)
+    result = compare_recordings(a, b)
+    assert result.identical, result.to_text()
+    tensors, meta = load_safetensors(a)
+    names = [meta["strings"][row[2]] for row in tensors["ops"].tolist()]
+    assert "aten.set_.source_Storage" in names  # the copy was recorded

@@ -34,13 +34,13 @@ from typing import Any
 import numpy as np
 
 from reprotrain.ops.opfile import (
-    ALLOCATING,
     LABELLED,
     OUTSIDE,
     PYTHON_VALUE,
     RNG_STATE,
     LoadedRecording,
     OpRecordError,
+    holds_unwritten_memory,
     load_recordings,
 )
 
@@ -142,11 +142,8 @@ def _describe(rec: LoadedRecording, row: np.ndarray) -> str:
 
 
 def _allocated(rec: LoadedRecording, row: np.ndarray) -> bool:
-    """True when the input is the output of an allocating op (contents never written)."""
-    if row[2] < 0:
-        return False
-    name = rec.op(int(row[2]))["op"]
-    return name.split(".")[1] in ALLOCATING
+    """True when the input is memory no recorded op wrote (:func:`holds_unwritten_memory`)."""
+    return row[2] >= 0 and holds_unwritten_memory(rec.op(int(row[2]))["op"])
 
 
 def _signature(rec: LoadedRecording, i: int) -> tuple[Any, ...]:
@@ -197,7 +194,8 @@ def _compare_rank(a: LoadedRecording, b: LoadedRecording) -> OpDiff | int:
             if unwritten := [_describe(a, row) for row in ins_a if _allocated(a, row)]:
                 diagnosis = (
                     "same inputs, different output: it reads memory that was allocated and "
-                    "never written (torch.empty, new_empty, empty_like without a fill)"
+                    "never written (torch.empty, new_empty, empty_like without a fill; "
+                    "set_ onto a storage filled outside torch ops)"
                 )
                 return OpDiff(False, "uninitialised", diagnosis, op=a.op(i),
                               differing_inputs=unwritten)  # fmt: skip

@@ -75,6 +75,19 @@ OUTSIDE, PYTHON_VALUE, RNG_STATE, LABELLED = -1, -2, -3, -4
 #: the op that reads such an output unwritten.
 ALLOCATING = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
+
+def holds_unwritten_memory(op: str) -> bool:
+    """Whether op ``aten.<name>.<overload>``'s output is memory no recorded op wrote.
+
+    Allocating ops, and ``set_`` onto a storage: a deep copy of a tensor (torchmetrics
+    copies each metric state's default, Lightning makes one for every ``self.log``
+    name) sets an empty tensor onto a fresh storage and fills that storage afterwards,
+    outside the dispatcher, so at the ``set_`` its bytes are whatever the memory held.
+    """
+    _, name, overload = [*op.split("."), "", ""][:3]
+    return name in ALLOCATING or (name == "set_" and overload.startswith("source_Storage"))
+
+
 #: How ``reprotrain verify`` asks a recorder in another process for steps ("3" or "3-5")
 #: and names the folder it writes to.
 WINDOW_VARIABLE = "REPROTRAIN_RECORD_OPS"

@@ -34,12 +34,12 @@ import torch
 from reprotrain.fingerprint import fingerprints, tensor_bytes
 from reprotrain.ops.location import Maker, NodeMakers, user_line
 from reprotrain.ops.opfile import (
-    ALLOCATING,
     LABELLED,
     OUTSIDE,
     PHASES,
     PYTHON_VALUE,
     RNG_STATE,
+    holds_unwritten_memory,
     write_recording,
 )
 
@@ -88,7 +88,7 @@ class _OpKind:
         self.name = str(func)
         # No list among its arguments: the positional arguments are the leaves.
         self.flat = not any("List" in str(a.type) for a in func._schema.arguments)
-        self.allocating = func._overloadpacket.__name__ in ALLOCATING
+        self.allocating = holds_unwritten_memory(self.name)
         self.view = func.is_view
         self.random = torch.Tag.nondeterministic_seeded in func.tags
         # Which returns the op writes in place (add_, out=): they leave it one version on.
