@@ -456,7 +456,6 @@ def test_a_lightning_script_is_identical_and_its_unseeded_workers_are_found(tmp_
     assert op["op"]["line"] == f"{LIGHTNING_SCRIPT.relative_to(ROOT)}:{shows}"
 
 
-
 def _record_deep_copy(out: Path, garbage: float) -> Path:
     """A step that deep-copies a tensor first (as Lightning and torchmetrics do for each
     logged name), just after freeing memory that held ``garbage``: the copy's fresh
