@@ -6,17 +6,21 @@ import json
 import re
 import shutil
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from reprotrain.determinism import DeterminismError
-from reprotrain.distributed.ddp import RankAgreement, distributed_layout
+from reprotrain.distributed.ddp import RankAgreement, distributed_layout, worker_start
 from reprotrain.hashing import sha256_file
 from reprotrain.pipeline.config import ConfigError, load_params
-from reprotrain.pipeline.data import ShardSampler
+from reprotrain.pipeline.data import PipelineLoaders, ShardSampler
 from reprotrain.provenance.environment import capture_environment, collective_variables
+from reprotrain.recipes.digits import DigitsData
 from reprotrain.trace.tracefile import load_trace
 from tests.helpers import (
     ROOT,
@@ -167,6 +171,34 @@ def test_rank_shares_are_disjoint_seeded_and_follow_the_generator() -> None:
     assert shares(2)[0] != first
     odd = shares(1, size=7)[0]
     assert len(odd[0]) == len(odd[1]) == 4 and set(odd[0] + odd[1]) == set(range(7))
+
+
+@pytest.fixture
+def process_group() -> Iterator[None]:
+    """A one-rank gloo process group in this process, as a DDP rank has (its threads too)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _val_loader(prepared: Path) -> DataLoader:
+    source = DigitsData(path=str(prepared), batch_size=64, num_workers=2)
+    source.setup("fit")
+    return PipelineLoaders(source, seed=0).val_dataloader()
+
+
+def test_workers_start_from_a_fork_server_only_under_a_process_group(
+    prepared: Path, process_group: None
+) -> None:
+    loader = _val_loader(prepared)
+    assert loader.multiprocessing_context.get_start_method() == "forkserver"
+    # Negative control: data a fork server cannot receive forks as before, and says why.
+    with pytest.warns(UserWarning, match="cannot be pickled for a fork server"):
+        assert worker_start(lambda: None) is None
+
+
+def test_without_a_process_group_workers_fork(prepared: Path) -> None:
+    assert _val_loader(prepared).multiprocessing_context is None
 
 
 def test_more_than_one_device_needs_the_ddp_strategy() -> None:

@@ -37,8 +37,12 @@ work unchanged in a single process.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import pickle
+import warnings
 from collections.abc import Mapping
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -134,6 +138,51 @@ def own_entry(entries: list[Any], what: str, error: type[Exception] = ValueError
             "world size it was written with"
         )
     return entries[this_rank()]
+
+
+#: What the fork server imports before it forks a worker, in order: the module that
+#: blocks stop signals in it (first, so a job's SIGTERM cannot end it), then what every
+#: worker imports (torch, Lightning's worker seeding: seconds per worker otherwise).
+FORK_SERVER_PRELOAD = (
+    "reprotrain.distributed._fork_server",
+    "torch",
+    "lightning.fabric.utilities.seed",
+)
+
+
+def worker_start(*parts: object) -> Any | None:
+    """The ``multiprocessing_context`` for DataLoader workers in this process, or None (fork).
+
+    Under a process group the process runs the backend's threads (gloo's, NCCL's), and a
+    worker forked beside them can hang for good in a lock one of them held at the fork
+    (twice in our CI: a rank of a 2-process gloo run waited 600 s for its first batch;
+    pytorch/pytorch#130610 is the pin-memory thread's case). Workers then start from a
+    fork server: a process started without those threads, which forks each worker and
+    has imported :data:`FORK_SERVER_PRELOAD` and the modules of ``parts`` once.
+    ``parts`` (the dataset, the collate function) travel to each worker pickled, which
+    is checked here: where they cannot be pickled the workers fork as before, with a
+    warning. The fork server and its workers ignore SIGTERM and SIGINT (blocked, as
+    forked workers of :class:`reprotrain.pipeline.data.WorkersIgnoreStopSignals` have
+    them), and the bits do not depend on how workers start (each is seeded by its
+    ``worker_init_fn``).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        ForkingPickler.dumps(parts)
+    except (pickle.PicklingError, TypeError, AttributeError) as err:  # what pickling raises
+        warnings.warn(
+            f"DataLoader workers fork beside the process group's threads, which can hang a "
+            f"worker, because the data cannot be pickled for a fork server ({err}); make it "
+            "picklable, or set num_workers: 0",
+            stacklevel=2,
+        )
+        return None
+    modules = {getattr(part, "__module__", None) for part in parts if part is not None}
+    context = multiprocessing.get_context("forkserver")
+    extra = sorted(m for m in modules - {None, *FORK_SERVER_PRELOAD} if m != "builtins")
+    context.set_forkserver_preload([*FORK_SERVER_PRELOAD, *extra])
+    return context
 
 
 class RankAgreement(Callback):

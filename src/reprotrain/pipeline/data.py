@@ -57,6 +57,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
+from reprotrain.distributed.ddp import worker_start
 from reprotrain.distributed.worldsize import MicroBatchSampler, sample_seed
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.own_loaders import (
@@ -195,7 +196,8 @@ class PipelineLoaders(L.LightningDataModule):
             return own.loader
         return WorkersIgnoreStopSignals(
             own.dataset, batch_size=own.batch_size, drop_last=own.drop_last,
-            sampler=own.loader.sampler, generator=own.loader.generator, **own.arguments,
+            sampler=own.loader.sampler, generator=own.loader.generator,
+            **_started(own.dataset, own.arguments),
         )  # fmt: skip
 
     def _loader(
@@ -210,6 +212,7 @@ class PipelineLoaders(L.LightningDataModule):
     ) -> DataLoader:
         """Training loaders (shuffled, in order or sharded) take ``train_generator``, which
         seeds workers; ``chosen`` is what the data module decided (workers, collate_fn...)."""
+        chosen = _started(dataset, chosen)
         if batch_sampler is not None:
             return ResumableLoader(
                 dataset,
@@ -276,6 +279,15 @@ def _argument(source: L.LightningDataModule, name: str) -> int:
     return value
 
 
+def _started(dataset: Dataset, chosen: dict[str, Any]) -> dict[str, Any]:
+    """``chosen`` with how its workers start, where the module left it open (under a
+    process group, from a fork server: :func:`~reprotrain.distributed.ddp.worker_start`)."""
+    if not chosen.get("num_workers") or chosen.get("multiprocessing_context") is not None:
+        return chosen
+    context = worker_start(dataset, chosen.get("collate_fn"))
+    return chosen if context is None else {**chosen, "multiprocessing_context": context}
+
+
 def _chosen(source: L.LightningDataModule, workers: bool = True) -> dict[str, Any]:
     """The DataLoader arguments a data module that gives datasets decides."""
     chosen: dict[str, Any] = {"collate_fn": getattr(source, "collate_fn", None)}
@@ -304,7 +316,8 @@ def map_style(dataset: object, split: str) -> Dataset:
 class WorkersIgnoreStopSignals(DataLoader):
     """A DataLoader whose worker processes start with SIGTERM and SIGINT blocked.
 
-    The mask is inherited by the forked workers and torch's worker loop leaves
+    The mask is inherited by the forked workers (and by a fork server, started by the
+    first of them, with every worker it forks) and torch's worker loop leaves
     it, so a signal to the whole process group (a cluster preempting the job,
     Ctrl-C in a terminal) reaches the training processes alone: they stop after
     the batch and shut their workers down, instead of a killed worker failing a
