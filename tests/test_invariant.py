@@ -203,11 +203,8 @@ def test_two_nodes_of_two_processes_give_the_bits_of_one_process(tmp_path: Path)
 
 @pytest.mark.slow
 def test_batch_norm_with_running_statistics_is_refused(tmp_path: Path) -> None:
-    env = cli_env(**SCRIPT_ENV)
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path / "bn.safetensors"), "1", "--batchnorm"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    argv = [sys.executable, str(SCRIPT), str(tmp_path / "bn.safetensors"), "1", "--batchnorm"]
+    result = run_process(argv, tmp_path, cli_env(**SCRIPT_ENV))
     assert result.returncode != 0
     assert "batch norm with running statistics is not world-size invariant" in result.stderr
     assert not (tmp_path / "bn.safetensors").exists()

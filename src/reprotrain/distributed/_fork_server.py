@@ -4,9 +4,9 @@ group (:func:`reprotrain.distributed.ddp.worker_start`), and nowhere else.
 It blocks SIGTERM and SIGINT in that process, so a signal to the whole job (a
 cluster preempting it, Ctrl-C in a terminal) leaves the server and the workers
 it forks (they inherit the mask) to the training processes: they stop after
-the batch and shut their workers down, as they do with forked workers
-(:class:`reprotrain.pipeline.data.WorkersIgnoreStopSignals`). The server still
-ends with the process that started it.
+the batch and shut their workers down, as they do with workers forked while
+those signals are blocked. The server still ends with the process that
+started it.
 """
 
 import signal

@@ -161,10 +161,9 @@ def worker_start(*parts: object) -> Any | None:
     has imported :data:`FORK_SERVER_PRELOAD` and the modules of ``parts`` once.
     ``parts`` (the dataset, the collate function) travel to each worker pickled, which
     is checked here: where they cannot be pickled the workers fork as before, with a
-    warning. The fork server and its workers ignore SIGTERM and SIGINT (blocked, as
-    forked workers of :class:`reprotrain.pipeline.data.WorkersIgnoreStopSignals` have
-    them), and the bits do not depend on how workers start (each is seeded by its
-    ``worker_init_fn``).
+    warning. The fork server blocks SIGTERM and SIGINT and its workers inherit that, so
+    a signal to the whole job reaches the training processes alone; and the bits do not
+    depend on how workers start (each is seeded by its ``worker_init_fn``).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None

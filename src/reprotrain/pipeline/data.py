@@ -316,12 +316,13 @@ def map_style(dataset: object, split: str) -> Dataset:
 class WorkersIgnoreStopSignals(DataLoader):
     """A DataLoader whose worker processes start with SIGTERM and SIGINT blocked.
 
-    The mask is inherited by the forked workers (and by a fork server, started by the
-    first of them, with every worker it forks) and torch's worker loop leaves
-    it, so a signal to the whole process group (a cluster preempting the job,
-    Ctrl-C in a terminal) reaches the training processes alone: they stop after
-    the batch and shut their workers down, instead of a killed worker failing a
-    fetch at a different moment on each DDP rank.
+    The mask is inherited by the forked workers (a fork server, which does not inherit
+    it, blocks the same signals itself: :func:`~reprotrain.distributed.ddp.worker_start`)
+    and torch's worker loop leaves it, so a signal to the whole process group (a
+    cluster preempting the job, Ctrl-C in a terminal) reaches the training
+    processes alone: they stop after the batch and shut their workers down,
+    instead of a killed worker failing a fetch at a different moment on each DDP
+    rank.
     """
 
     def __iter__(self) -> Iterator:
