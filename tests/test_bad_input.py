@@ -53,6 +53,7 @@ class Case:
     mount: tuple[str, str] | None = None  # (folder, "ro" or a tmpfs size)
     argv: tuple[str, ...] = DVC_REPRO
     by_dvc: bool = False  # DVC reads params.yaml itself first and reports it (``ERROR:``)
+    files: Mapping[str, str] = field(default_factory=dict)  # a user's package, by path
 
 
 def _x(n: int = 30, side: int = 4, dtype: Any = np.float32) -> np.ndarray:
@@ -61,6 +62,47 @@ def _x(n: int = 30, side: int = 4, dtype: Any = np.float32) -> np.ndarray:
 
 def _y(n: int = 30) -> np.ndarray:
     return np.arange(n) % 3
+
+
+#: A user's package beside params.yaml, as Lightning's docs write one: the digits model with
+#: batch norm; data modules that download in prepare_data() or sample with their own sampler.
+USER_PACKAGE = {
+    "userpkg/__init__.py": "",
+    "userpkg/model.py": """\
+import torch
+from reprotrain.recipes.digits import Classifier
+
+
+class NormedClassifier(Classifier):
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
+        super().__init__(input_shape, num_classes)
+        self.norm = torch.nn.BatchNorm1d(4)
+""",
+    "userpkg/data.py": """\
+from torch.utils.data import DataLoader, WeightedRandomSampler
+from reprotrain.recipes.digits import DigitsData
+
+
+class Downloading(DigitsData):
+    def prepare_data(self) -> None:
+        pass
+
+
+class Weighted(DigitsData):
+    def train_dataloader(self) -> DataLoader:
+        data = self.train_dataset()
+        sampler = WeightedRandomSampler([1.0] * len(data), len(data))
+        return DataLoader(data, batch_size=16, sampler=sampler)
+""",
+}
+NORMED = {
+    "model": {"class_path": "userpkg.model.NormedClassifier", "init_args": {}},
+    "train.world_size_invariant": True,
+}
+
+
+def _user(expect: str, params: Mapping[str, Any], argv: tuple[str, ...] = DVC_REPRO) -> Case:
+    return Case(expect, params, argv=argv, files=USER_PACKAGE)
 
 
 def _values(key: str, *bad: Any) -> dict[str, Case]:
@@ -181,6 +223,18 @@ CATALOG: dict[str, Case] = {
     "env --diff of missing records": Case(
         "a.json", argv=("reprotrain", "env", "--diff", "a.json", "b.json")
     ),
+    # A user's package (issue 42's cases): refused at env, before DVC deletes an output.
+    "batch norm under world-size invariance": _user("norm: batch norm with running", NORMED),
+    "batch norm, verify --world-sizes 1,2": _user(
+        "norm: batch norm with running", NORMED, ("reprotrain", "verify", "--world-sizes", "1,2")
+    ),
+    "a data module that downloads": _user(
+        "defines prepare_data()", {"data.class_path": "userpkg.data.Downloading"}
+    ),
+    "its own sampler under DDP": _user(
+        "WeightedRandomSampler",
+        {"data.class_path": "userpkg.data.Weighted", "train.strategy": "ddp", "train.devices": 2},
+    ),
 }
 
 
@@ -202,6 +256,9 @@ def _in_mount(folder: str, how: str, argv: tuple[str, ...]) -> list[str]:
 
 
 def _break(repo: Path, case: Case) -> None:
+    for name, text in case.files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
     params = dict(case.params)
     if case.npz is not None or case.raw is not None:
         params["prepare.source"] = "user.npz"

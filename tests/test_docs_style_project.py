@@ -94,7 +94,17 @@ def _dvc_yaml() -> str:
     text = text.replace("reprotrain train --data data/wine.csv", "reprotrain train")
     text = text.replace("reprotrain evaluate --data data/wine.csv", "reprotrain evaluate")
     text = text.replace("      - data/wine.csv\n", "").replace("      - wine\n", "      - cancer\n")
-    return text[: text.index("# Curves for")]
+    return text[: text.index("# Curves for")] + PLOTS
+
+
+#: Curves under the module's own names, as a user's dvc.yaml would name them.
+PLOTS = """\
+plots:
+  - validation:
+      x: epoch
+      y:
+        reports/plots/train/val.csv: [val/loss, val/acc]
+"""
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +139,7 @@ def _digests(repo: Path) -> dict[str, str]:
 
 
 def test_the_modules_own_metric_names_reach_every_metrics_file(cancer_repo: Path) -> None:
+    """Each name as logged, ``/`` and all: DVC reads such names as they are (no escaping)."""
     metrics = json.loads((cancer_repo / "reports" / "train_metrics.json").read_text())
     assert metrics["epochs"] == 4 and metrics["steps"] == 4 * 13
     assert {"train_loss", "train/loss", "train/acc", "val/loss", "val/acc"} <= set(metrics)
@@ -139,6 +150,79 @@ def test_the_modules_own_metric_names_reach_every_metrics_file(cancer_repo: Path
     assert (curves / "train_loss.csv").read_text().splitlines()[0] == "step,train_loss"
     scores = json.loads((cancer_repo / "reports" / "metrics.json").read_text())
     assert {"test/loss", "test/acc"} <= set(scores) and scores["test/acc"] > 0.8
+
+
+def _dvc_json(project: Path, *args: str) -> dict:
+    shown = subprocess.run(
+        ["dvc", *args, "--json"], cwd=project, env=cli_env(), capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    return json.loads(shown.stdout)
+
+
+def test_dvc_shows_the_modules_metrics_and_curves_by_their_names(project: Path) -> None:
+    shown = _dvc_json(project, "metrics", "show")
+    files = shown[""]["data"]
+    assert {"train/loss", "val/acc"} <= set(files["reports/train_metrics.json"]["data"])
+    assert files["reports/metrics.json"]["data"]["test/acc"] > 0.8
+    plots = _dvc_json(project, "plots", "show")
+    rows = plots["data"]["validation"][0]["content"]["data"]["values"]
+    assert {row["field"] for row in rows} == {"val/loss", "val/acc"} and len(rows) == 2 * 4
+    # Control: with a name the module never logged, DVC draws nothing.
+    (project / "dvc.yaml").write_text(
+        (project / "dvc.yaml").read_text().replace("val/acc]", "val/accuracy]")
+    )
+    assert not _dvc_json(project, "plots", "show")["data"].get("validation")
+
+
+#: A data module of our contract's other kind: datasets, its batch size only in hparams.
+DATASETS_MODULE = """\
+import lightning as L
+
+from cancer.data import CancerData
+
+
+class CancerDatasets(L.LightningDataModule):
+    def __init__(self, batch_size: int = 32) -> None:
+        super().__init__()
+        self.save_hyperparameters(logger=False)
+
+    setup = CancerData.setup
+
+    def train_dataset(self):
+        return self.data_train
+
+    def val_dataset(self):
+        return self.data_val
+
+    def test_dataset(self):
+        return self.data_test
+"""
+
+
+def test_a_data_module_giving_datasets_with_its_batch_size_only_in_hparams_trains(
+    project: Path,
+) -> None:
+    (project / "cancer" / "datasets.py").write_text(DATASETS_MODULE)
+    params = project / "params.yaml"
+    params.write_text(
+        params.read_text().replace("cancer.data.CancerData", "cancer.datasets.CancerDatasets")
+    )
+    out = run_checked("dvc", "repro", cwd=project, **LOCK)
+    assert "checked cancer.model.CancerClassifier and cancer.datasets.CancerDatasets" in out
+    metrics = json.loads((project / "reports" / "train_metrics.json").read_text())
+    assert metrics["steps"] == 4 * 13  # 398 samples in batches of 32, as the loaders' module
+    # Control: without a batch size anywhere, env refuses in one line, the outputs stay.
+    before = _digests(project)
+    edit_once(project / "cancer" / "datasets.py", "batch_size: int = 32", "size: int = 32")
+    params.write_text(params.read_text().replace("    batch_size: 32\n", "    size: 32\n"))
+    refused = subprocess.run(
+        ["dvc", "repro"], cwd=project, env=cli_env(**LOCK), capture_output=True, text=True
+    )
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("reprotrain:")]
+    assert refused.returncode != 0 and len(errors) == 1, refused.stdout + refused.stderr
+    assert "takes no integer argument 'batch_size'" in errors[0]
+    assert _digests(project) == before
 
 
 def test_verify_finds_it_identical_a_clock_seeded_loader_too_and_a_clock_seeded_forward_not(
@@ -169,6 +253,9 @@ def test_verify_finds_it_identical_a_clock_seeded_loader_too_and_a_clock_seeded_
     result = _cli(project, "verify", *short, "--workdir", tmp_path / "forward")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "reprotrain verify: NOT REPRODUCIBLE (2 runs; differ: run-1 vs run-2)" in result.stdout
+    # named: the draw, by its op and line, and what differs (the generator's state)
+    assert "first differing op: aten.randn.generator" in result.stdout, result.stdout
+    assert "source: cancer/model.py:" in result.stdout and "random generator" in result.stdout
 
 
 def test_a_changed_line_of_the_package_moves_the_run_id_and_restoring_it_restores_it(

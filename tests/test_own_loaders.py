@@ -190,3 +190,51 @@ class HparamsOnly(L.LightningDataModule):
 def test_a_data_module_that_keeps_its_arguments_in_hparams_gives_them_to_the_loaders() -> None:
     loaders = PipelineLoaders(HparamsOnly(), seed=3)
     assert loaders.batch_size == 7 and loaders.train_dataloader().batch_size == 7
+
+
+class Workers(Docs):
+    """Its own loader with workers, pinned memory and a prefetch depth of its own."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            _dataset(),
+            batch_size=4,
+            shuffle=True,
+            num_workers=2,
+            pin_memory=True,
+            prefetch_factor=3,
+            persistent_workers=True,
+            timeout=30.0,
+        )
+
+
+def test_a_rebuilt_loader_keeps_the_modules_workers_and_pinned_memory() -> None:
+    own = Workers().train_dataloader()
+    loader = PipelineLoaders(Workers(), seed=3).train_dataloader()
+    assert (loader.num_workers, loader.pin_memory, loader.prefetch_factor, loader.timeout) == (
+        own.num_workers, own.pin_memory, own.prefetch_factor, own.timeout,
+    )  # fmt: skip
+    # The one argument the pipeline overrides, and why: each epoch's workers are seeded anew.
+    assert own.persistent_workers and not loader.persistent_workers
+    # Control: the module's loader without workers gives a rebuilt one without them.
+    assert PipelineLoaders(Docs(), seed=3).train_dataloader().num_workers == 0
+
+
+class BatchSizeOnly(L.LightningDataModule):
+    """Gives datasets, its batch size only in ``self.hparams`` and no workers argument."""
+
+    def __init__(self, batch_size: int = 5) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataset(self) -> Dataset:
+        return _dataset()
+
+    val_dataset = test_dataset = train_dataset
+
+
+def test_a_data_module_without_a_workers_argument_loads_in_the_main_process() -> None:
+    loader = PipelineLoaders(BatchSizeOnly(), seed=3).train_dataloader()
+    assert (loader.batch_size, loader.num_workers) == (5, 0)
+    # Control: the same module with a workers argument gets its workers.
+    assert PipelineLoaders(HparamsOnly(num_workers=1), seed=3).train_dataloader().num_workers == 1

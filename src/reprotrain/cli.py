@@ -32,6 +32,7 @@ from types import ModuleType
 from typing import NoReturn
 
 from reprotrain.commands._exit_codes import (
+    ERROR_PREFIX,
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
     EXIT_NOT_DETERMINISTIC,
@@ -237,7 +238,7 @@ def _fail(message: str, code: int) -> int:
             f" (dvc repro removed stage {stage}'s previous outputs before running it; they are "
             f"in the DVC cache: `dvc checkout {stage}` restores them)"
         )
-    print(f"reprotrain: error: {message}", file=sys.stderr)
+    print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
     return code
 
 
@@ -245,4 +246,4 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line with where to look, exit 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_BAD_INPUT, f"reprotrain: error: {message}; see `{self.prog} --help`\n")
+        self.exit(EXIT_BAD_INPUT, f"{ERROR_PREFIX}{message}; see `{self.prog} --help`\n")

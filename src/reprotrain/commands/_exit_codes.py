@@ -28,3 +28,7 @@ EXIT_UNREADABLE = 5
 EXIT_RECORD_DIFFERS = 6
 #: Interrupted (SIGINT or SIGTERM), as a shell reports a process ended by SIGINT.
 EXIT_INTERRUPTED = 130
+
+#: How the CLI starts the one line it prints for an error it catches (a run's own refusal
+#: is found by it in the run's stderr).
+ERROR_PREFIX = "reprotrain: error: "

@@ -18,11 +18,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from reprotrain.atomic import atomic_write_text
+from reprotrain.commands._exit_codes import ERROR_PREFIX
 from reprotrain.commands._rundiff import FLAT, METRICS
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.command import stage_arguments
@@ -118,13 +120,47 @@ def train_fresh(
             argv = _train_command(train_args, folder, environment, overrides)
             # A run's summary goes to stderr: stdout is for the command's result (and --json).
             extra = None if env is None else {**os.environ, **env}
-            running.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=extra))
-        outputs = [process.communicate()[0] for process in running]
-        for folder, process, output in zip(batch, running, outputs, strict=True):
+            process = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=extra
+            )
+            running.append((process, _relay_stderr(process)))
+        # stdout is one summary line per run; stderr goes through each run's relay thread
+        outputs = [process.stdout.read() for process, _ in running]  # type: ignore[union-attr]
+        for folder, (process, relay), output in zip(batch, running, outputs, strict=True):
+            process.wait()
+            relay.join()
             print(output, file=sys.stderr, end="")
             if process.returncode != 0:
-                raise DataError(
-                    f"training for {folder} failed (exit {process.returncode}); see above"
-                )
+                raise DataError(_failure(folder, process.returncode, relay.errors))
             shutil.copy2(environment, folder / FLAT["environment"])
     return folders
+
+
+class _StderrRelay(threading.Thread):
+    """Passes a run's stderr through as it comes, keeping back its own error lines."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(daemon=True)
+        self.stream = stream
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        for line in self.stream:
+            if line.startswith(ERROR_PREFIX):
+                self.errors.append(line.removeprefix(ERROR_PREFIX).strip())
+            else:
+                print(line, file=sys.stderr, end="", flush=True)
+
+
+def _relay_stderr(process: subprocess.Popen[str]) -> _StderrRelay:
+    relay = _StderrRelay(process.stderr)
+    relay.start()
+    return relay
+
+
+def _failure(folder: Path, code: int, errors: list[str]) -> str:
+    """The run's own error line as this command's one line (a refusal: bad input), or where
+    to look."""
+    if errors:
+        return f"{errors[-1]} (the run for {folder.name}, exit {code})"
+    return f"training for {folder} failed (exit {code}); see above"

@@ -84,8 +84,8 @@ DEFAULT_DATA = Component(
 COMPONENT_HELP = {
     "model": "the LightningModule: class_path and init_args, as in a LightningCLI config "
     "(docs/your-model.md)",
-    "data": "the LightningDataModule: class_path and init_args (batch_size and num_workers "
-    "among them), as in a LightningCLI config",
+    "data": "the LightningDataModule: class_path and init_args (batch_size among them where "
+    "it gives datasets), as in a LightningCLI config",
 }
 
 

@@ -40,8 +40,9 @@ from reprotrain.pipeline.recipe import Recipe, linked_arguments
 
 #: The splits; for each, a data module defines ``<split>_dataloader`` or ``<split>_dataset``.
 SPLITS = ("train", "val", "test")
-#: Arguments of a data module that gives datasets, with which the pipeline builds its loaders.
-LOADER_ARGUMENTS = ("batch_size", "num_workers")
+#: Arguments of a data module that gives datasets, with which the pipeline builds its loaders,
+#: and their defaults (None: required; no guarantee needs workers, so none means none).
+LOADER_ARGUMENTS: dict[str, int | None] = {"batch_size": None, "num_workers": 0}
 DOCS = "docs/your-model.md"
 
 
@@ -78,12 +79,12 @@ def check_recipe(params: Params, recipe: Recipe) -> None:
             )
         gives_datasets.append(split)
     if gives_datasets and not defines_own_loader(data.cls, "train"):
-        for name in LOADER_ARGUMENTS:
-            if type(data.init_args.get(name)) is not int:
+        for name, default in LOADER_ARGUMENTS.items():
+            if type(data.init_args.get(name, default)) is not int:
                 raise ConfigError(
                     f"data.class_path: {data.class_path} gives datasets but takes no integer "
-                    f"argument {name!r}; the pipeline builds those loaders with "
-                    f"{' and '.join(LOADER_ARGUMENTS)} (or define your own *_dataloader()) "
+                    f"argument {name!r}; the pipeline builds those loaders with batch_size "
+                    f"(and num_workers, 0 if not given) (or define your own *_dataloader()) "
                     f"({DOCS})"
                 )
     parameters = inspect.signature(model.cls.__init__).parameters
@@ -185,7 +186,8 @@ def check_world_size_invariance(params: Params, recipe: Recipe) -> None:
 
     The model is built on the meta device (no memory, whatever its size), with its linked
     arguments from the data module set up for ``fit``; where that setup cannot run yet
-    (the prepared data it reads is made later), the train stage refuses instead.
+    (the prepared data it reads is made later), it returns, and the train stage, which
+    calls it again before any rank starts, refuses instead.
     """
     if not params.train.world_size_invariant:
         return

@@ -264,17 +264,18 @@ def first_batches(source: L.LightningDataModule, count: int) -> list[object]:
     return batches
 
 
-def _argument(source: L.LightningDataModule, name: str) -> int:
+def _argument(source: L.LightningDataModule, name: str, default: int | None = None) -> int:
     """A data module's integer ``name``: its attribute, else ``self.hparams`` (what
-    ``save_hyperparameters()`` keeps); a DataError naming it when it has neither."""
+    ``save_hyperparameters()`` keeps), else ``default``; a DataError naming it when it has
+    none of them."""
     value = getattr(source, name, None)
     if value is None:
-        value = getattr(source, "hparams", {}).get(name)
+        value = getattr(source, "hparams", {}).get(name, default)
     if type(value) is not int:
         raise DataError(
             f"{type(source).__name__} has no integer {name} (attribute or hparams); a data "
-            f"module that gives datasets needs batch_size and num_workers, or build your own "
-            "*_dataloader() (docs/your-model.md)"
+            f"module that gives datasets needs a batch_size (num_workers: 0 if it has none), "
+            "or build your own *_dataloader() (docs/your-model.md)"
         )
     return value
 
@@ -292,7 +293,7 @@ def _chosen(source: L.LightningDataModule, workers: bool = True) -> dict[str, An
     """The DataLoader arguments a data module that gives datasets decides."""
     chosen: dict[str, Any] = {"collate_fn": getattr(source, "collate_fn", None)}
     if workers:
-        chosen["num_workers"] = _argument(source, "num_workers")
+        chosen["num_workers"] = _argument(source, "num_workers", default=0)
     return chosen
 
 

@@ -132,7 +132,11 @@ def _say_restored(err: BaseException, restored: list[Path]) -> None:
 def _train(params: Params, args: argparse.Namespace) -> str:
     # torch and Lightning load here, not with the module: the CLI reads this one for its options.
     from reprotrain.distributed.ddp import this_rank
-    from reprotrain.pipeline.contract import check_data_files, check_recipe
+    from reprotrain.pipeline.contract import (
+        check_data_files,
+        check_recipe,
+        check_world_size_invariance,
+    )
     from reprotrain.pipeline.recipe import resolve_recipe
     from reprotrain.pipeline.training import (
         Checkpointing,
@@ -147,6 +151,9 @@ def _train(params: Params, args: argparse.Namespace) -> str:
     recipe = resolve_recipe(params)  # bad input first: one line, nothing written
     check_recipe(params, recipe)
     check_data_files(recipe, args.data)
+    # The env stage makes this check where the data module can set up there; here it is
+    # the one line before any rank starts (verify's world-size runs skip the env stage).
+    check_world_size_invariance(params, recipe)
     settings = configure_determinism(params.seed, params.deterministic, params.cpu.to_profile())
     environment = load_environment(args.env)
     _check_lock(environment["lock"], params.deterministic, args.evidence)
