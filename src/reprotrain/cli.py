@@ -17,7 +17,7 @@ Exit codes, each with its meaning in :mod:`reprotrain.commands._exit_codes`:
 0 done; 1 a check failed; 2 bad input, nothing written; 3 the determinism
 guarantee cannot be honoured in this process; 4 and 5 ``verify -- CMD``'s
 other verdicts; 6 ``verify --reference``: same outputs, the record differs;
-130 interrupted.
+7 ``verify-attestation --rebuild``: unverifiable on this host; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ VERBS = {
     "bench": "reprotrain.commands.bench",
     "ops": "reprotrain.commands.ops",
     "reference-note": "reprotrain.commands.reference_note",
+    "attest": "reprotrain.commands.attest",
+    "verify-attestation": "reprotrain.commands.verify_attestation",
 }
 
 

@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from reprotrain.atomic import atomic_write_text
 from reprotrain.commands._exit_codes import (
     EXIT_CHECK_FAILED,
     EXIT_DIFFERS_OUTSIDE_TENSORS,
@@ -59,6 +60,7 @@ from reprotrain.determinism import (
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.command import DVC_YAML
 from reprotrain.pipeline.errors import DataError
+from reprotrain.provenance.environment import git_state
 from reprotrain.trace.tracefile import is_trace_file, load_trace
 
 
@@ -142,6 +144,9 @@ def _is_trace(path: Path) -> bool:
 
 
 #: Hydra's last line after any error; the error is the paragraph above it.
+#: Written into ``--workdir`` when the runs proved identical: the command, where it ran and
+#: at which commit, for ``reprotrain attest --verified``.
+VERIFIED_FILE = "verified.json"
 HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
 
 
@@ -257,6 +262,10 @@ def verify_script(args: argparse.Namespace) -> int:
         print(_text(report, verdicts, workdir if kept else None))
     if not kept:  # a temporary folder of runs that proved identical: nothing left to look at
         shutil.rmtree(workdir, ignore_errors=True)
+    elif verdict == "IDENTICAL":  # what `reprotrain attest --verified` states of these runs
+        facts = {"command": cmd, "cwd": str(Path.cwd()), "runs": args.runs, "outputs": names}
+        facts["commit"] = git_state(Path.cwd())["commit"]
+        atomic_write_text(workdir / VERIFIED_FILE, canonical_json(facts))
     return EXIT_CODES[verdict]
 
 

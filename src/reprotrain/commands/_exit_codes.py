@@ -5,7 +5,7 @@ nothing wrong. A command's ``run`` returns one of the verdict codes below
 when it printed its own output; the CLI turns the errors it catches into
 :data:`EXIT_BAD_INPUT`, :data:`EXIT_NOT_DETERMINISTIC` and
 :data:`EXIT_INTERRUPTED`, with one ``reprotrain: error:`` line. A CI job
-can branch on them: 1, 4, 5 and 6 are verdicts about the bits; 2 and 3
+can branch on them: 1, 4, 5 and 6 are verdicts about the bits; 2, 3 and 7
 say the check could not be made as asked.
 """
 
@@ -26,6 +26,9 @@ EXIT_UNREADABLE = 5
 #: ``verify --reference``: every output as committed, but the record that decides
 #: the bits (environment record, run ID) differs; a CI job may choose to accept it.
 EXIT_RECORD_DIFFERS = 6
+#: ``verify-attestation --rebuild``: this host's deciding record is not the attested one
+#: (another GPU model, CPU vendor...), so it cannot rebuild those bits; nothing was judged.
+EXIT_UNVERIFIABLE_HERE = 7
 #: Interrupted (SIGINT or SIGTERM), as a shell reports a process ended by SIGINT.
 EXIT_INTERRUPTED = 130
 

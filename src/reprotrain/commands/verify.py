@@ -28,7 +28,10 @@ committed one in a field that voids the bitwise guarantee (GPU, torch,
 CUDA, CPU kernels...), verify says so and compares fresh reruns instead.
 
 ``--reference [REV]`` (default ``HEAD``) needs no DVC cache, only git: one
-``dvc repro`` of the whole pipeline in a fresh clone of REV, then every file
+``dvc repro`` of the whole pipeline in a fresh clone of REV, running REV's own
+code (:func:`~reprotrain.commands._rebuild.clone_environment`: the clone's
+``src/`` on this environment where it matches REV's lock, else REV's own
+``make venv``), then every file
 git tracks there (``dvc.lock`` with every output's md5, ``reports/``) must be
 byte-identical to REV's. One verdict (:mod:`reprotrain.commands._reference`):
 exit 0, REPRODUCED, if so; exit 6 (``EXIT_RECORD_DIFFERS``), SAME OUTPUTS,
@@ -47,17 +50,20 @@ Runs train one after another (``--jobs N``: N side by side, see
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED, EXIT_RECORD_DIFFERS
+from reprotrain.commands._exit_codes import (
+    ERROR_PREFIX,
+    EXIT_CHECK_FAILED,
+    EXIT_RECORD_DIFFERS,
+)
 from reprotrain.commands._git import changed_paths, git, share_dvc_cache
+from reprotrain.commands._rebuild import clone_environment, python_of
 from reprotrain.commands._reference import classify_changes
 from reprotrain.commands._rerun import Workspace, rerun_workspace, train_fresh
 from reprotrain.commands._rundiff import (
@@ -301,17 +307,15 @@ def check_reference(rev: str, workdir: Path | None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     share_dvc_cache(repo, clone)
+    # The clone's own code (its src/, which DVC hashes), not the package installed here.
+    variables = clone_environment(clone)
     print(f"reprotrain verify: dvc repro in a clone of {rev} ({clone})", flush=True)
     repro = subprocess.run(
-        [sys.executable, "-m", "dvc", "repro", "--all-pipelines", "--no-run-cache"],
+        [python_of(variables), "-m", "dvc", "repro", "--all-pipelines", "--no-run-cache"],
         cwd=clone,
         capture_output=True,
         text=True,
-        # The stage commands call `reprotrain`: this interpreter's, also when PATH lacks it.
-        env={
-            **os.environ,
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        },
+        env=variables,
     )
     if repro.returncode != 0:
         raise DataError(f"dvc repro failed in {clone}: {_repro_failure(repro, repo)}")
@@ -354,6 +358,8 @@ def _repro_failure(repro: subprocess.CompletedProcess[str], repo: Path) -> str:
     """DVC's own error lines, and what to do when a DVC-tracked input is in no cache or remote."""
     lines = f"{repro.stderr}\n{repro.stdout}".strip().splitlines()
     errors = [line.removeprefix("ERROR:").strip() for line in lines if line.startswith("ERROR")]
+    # the stage's own one line first: what failed, before DVC's "failed to reproduce"
+    errors = [line for line in lines if line.startswith(ERROR_PREFIX)][-1:] + errors
     said = " / ".join(errors or lines[-3:]) or f"exit {repro.returncode} and no output"
     missing = sorted(set(re.findall(r"missing data '\w+': (\S+)", said)))
     if not missing:
