@@ -27,6 +27,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from reprotrain.provenance.attestation import (
     BUILD_TYPES,
+    COMMAND_BUILD,
     PIPELINE_BUILD,
     StatementRefused,
     check_statement,
@@ -309,6 +310,33 @@ def test_attest_refuses_a_run_that_is_not_committed(repo: Path, keys: dict[str, 
     done = run_cli("attest", "--key", keys["key"], "--out", "again", cwd=repo)
     assert done.returncode == 2 and "params.yaml: changed since the last commit" in done.stderr
     assert not (repo / "again").exists()
+
+
+def test_a_command_verify_proved_identical_is_attested_from_its_workdir(
+    repo: Path, keys: dict[str, Path], tmp_path: Path
+) -> None:
+    (repo / "write.py").write_text(
+        "import pathlib, sys\npathlib.Path(sys.argv[1], 'weights.bin').write_bytes(b'w' * 64)\n"
+    )
+    commit_all(repo, "a training script")
+    work = tmp_path / "verified"
+    command = ("python", "write.py", "{out}")
+    done = run_cli("verify", "--workdir", work, "--", *command, cwd=repo)
+    assert done.returncode == 0 and (work / "verified.json").is_file(), done.stderr
+    done = run_cli("attest", "--verified", work, "--key", keys["key"], cwd=repo)
+    assert done.returncode == 0, done.stderr
+    bundle = work / "attestation" / "attestation.bundle.json"
+    done = _verify(repo, bundle, "--key", keys["pub"], "--root", work, "--commit", "HEAD")
+    assert done.returncode == 0 and "VERIFIED" in done.stdout, done.stdout + done.stderr
+    statement = json.loads((work / "attestation" / "statement.json").read_text())
+    definition = statement["predicate"]["buildDefinition"]
+    assert definition["buildType"] == COMMAND_BUILD
+    assert definition["externalParameters"]["command"] == list(command)
+    assert {s["name"] for s in statement["subject"]} == {"run-0/weights.bin", "run-0/"}
+    # Control: another byte in the run's file.
+    (work / "run-0" / "weights.bin").write_bytes(b"x" * 64)
+    done = _verify(repo, bundle, "--key", keys["pub"], "--root", work, "--commit", "HEAD")
+    assert done.returncode == 1 and "run-0/weights.bin: sha256" in done.stdout, done.stdout
 
 
 def test_verify_reference_runs_the_code_of_the_commit_it_clones(repo: Path) -> None:

@@ -133,7 +133,14 @@ def _check_commit(statement: dict[str, Any], expected: str | None, root: Path) -
 
     attested = external(statement)["commit"]
     where = "--commit"
-    if expected is None and (root / ".git").exists():
+    if expected is not None:  # a revision of the repository here (HEAD, a tag), or a sha
+        named = subprocess.run(
+            ["git", "rev-parse", "--verify", "--quiet", f"{expected}^{{commit}}"],
+            capture_output=True,
+            text=True,
+        )
+        expected = named.stdout.strip() if named.returncode == 0 else expected
+    elif (root / ".git").exists():
         expected, where = git(root, "rev-parse", "HEAD").strip(), f"{root} (HEAD)"
     if expected is not None and not attested.startswith(expected) and attested != expected:
         raise StatementRefused(
