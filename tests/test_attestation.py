@@ -291,6 +291,13 @@ def test_a_tampered_attestation_is_rejected_in_one_line(
     assert done.stdout.startswith(f"{VERDICT}REJECTED: ") and expect in done.stdout, done.stdout
 
 
+def test_a_key_file_that_holds_no_key_is_bad_input(repo: Path) -> None:
+    (repo / "nokey.pem").write_text("not a key\n")
+    done = _verify(repo, BUNDLE, "--key", "nokey.pem")
+    assert done.returncode == 2 and "nokey.pem: not a PEM public key" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_every_build_type_lists_its_parameters_and_a_statement_without_one_is_refused() -> None:
     assert all(BUILD_TYPES.values())
     with pytest.raises(StatementRefused, match="not a complete in-toto"):

@@ -79,8 +79,9 @@ def run(_: object, args: argparse.Namespace) -> int:
         if path is not None and not path.is_file():
             raise DataError(f"{path}: no such file")
     root = args.root or _repository_root(Path.cwd())
+    trust = _trust(args)
     try:
-        statement = _verified_statement(args)
+        statement = _verified_statement(args.bundle, *trust)
         _check_commit(statement, args.commit, root)
         if not args.rebuild:
             _check_subjects(statement, root)
@@ -100,20 +101,27 @@ def run(_: object, args: argparse.Namespace) -> int:
     return _rebuild(statement, args, root)
 
 
-def _verified_statement(args: argparse.Namespace) -> dict[str, Any]:
-    from reprotrain.provenance.attestation import StatementRefused, check_statement
+def _trust(args: argparse.Namespace) -> tuple[Any, list[Any] | None]:
+    """The public key or the trusted certificates; one that is none is bad input (exit 2)."""
     from reprotrain.provenance.signing import (
+        SignatureRefused,
         load_certificates,
         load_public_key,
-        read_bundle,
-        verify_bundle,
     )
 
-    bundle = read_bundle(args.bundle)
-    if args.key is not None:
-        payload = verify_bundle(bundle, public_key=load_public_key(args.key))
-    else:
-        payload = verify_bundle(bundle, roots=load_certificates(args.cert_chain))
+    try:
+        if args.key is not None:
+            return load_public_key(args.key), None
+        return None, load_certificates(args.cert_chain)
+    except SignatureRefused as err:
+        raise DataError(str(err)) from None
+
+
+def _verified_statement(bundle_file: Path, key: Any, roots: list[Any] | None) -> dict[str, Any]:
+    from reprotrain.provenance.attestation import StatementRefused, check_statement
+    from reprotrain.provenance.signing import read_bundle, verify_bundle
+
+    payload = verify_bundle(read_bundle(bundle_file), public_key=key, roots=roots)
     try:
         statement = json.loads(payload)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
