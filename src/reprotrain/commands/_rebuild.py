@@ -12,7 +12,10 @@ the stages must run the clone's package too, not the one installed here.
 * a fresh virtual environment in the clone, made by the clone's own
   ``make venv`` from its own lock (hash-checked), with the clone's package
   installed in it, where they are not, or where ``fresh`` asks for one (an
-  auditor's rebuild).
+  auditor's rebuild);
+* this environment as it is, for a project that uses reprotrain as a
+  dependency (no ``src/reprotrain`` in it): its own code is the clone's, and
+  the environment record it writes says which reprotrain and lock ran it.
 
 Either way the env stage then records the lock's state, and the deciding
 record is compared with the one that is being reproduced.
@@ -56,14 +59,13 @@ def clone_environment(
     from reprotrain.pipeline.stages.env import NOT_LOCKED
     from reprotrain.provenance.environment import lock_status
 
+    here = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    if not (clone / "src" / "reprotrain").is_dir():
+        return here  # a project that uses reprotrain: its own code is the clone's (cwd)
     exact = (clone / lock).is_file() and lock_status(clone / lock, NOT_LOCKED)["exact"]
     if exact and not fresh:
         pythonpath = [str(clone / "src"), os.environ.get("PYTHONPATH", "")]
-        return {
-            **os.environ,
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-            "PYTHONPATH": os.pathsep.join(filter(None, pythonpath)),
-        }
+        return {**here, "PYTHONPATH": os.pathsep.join(filter(None, pythonpath))}
     return _fresh_venv(clone, lock, (venv or clone / ".venv").absolute())
 
 

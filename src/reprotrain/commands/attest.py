@@ -88,6 +88,8 @@ def run(_: object, args: argparse.Namespace) -> str:
         out = args.out or args.dvc_yaml.parent / "attestation"
     statement = build_statement(subjects, provenance)
     out.mkdir(parents=True, exist_ok=True)
+    for earlier in (BUNDLE_FILE, MODEL_SIGNATURE_FILE):  # an earlier run's, never beside this one
+        (out / earlier).unlink(missing_ok=True)
     payload = statement_bytes(statement)
     atomic_write_bytes(out / STATEMENT_FILE, payload)
     run_id = provenance.invocation_id[:12]
@@ -227,6 +229,8 @@ def _verified_command(workdir: Path) -> tuple[Path, list[dict], str, Any]:
             "that ended IDENTICAL"
         )
     facts = _json(verified)
+    if not Path(facts["cwd"]).is_dir():
+        raise DataError(f"{verified}: verify ran in {facts['cwd']}, which is gone; attest there")
     run = workdir / "run-0"
     root = Path(git(Path(facts["cwd"]), "rev-parse", "--show-toplevel").strip())
     repository, commit = repository_of(root)

@@ -359,7 +359,9 @@ def _repro_failure(repro: subprocess.CompletedProcess[str], repo: Path) -> str:
     lines = f"{repro.stderr}\n{repro.stdout}".strip().splitlines()
     errors = [line.removeprefix("ERROR:").strip() for line in lines if line.startswith("ERROR")]
     # the stage's own one line first: what failed, before DVC's "failed to reproduce"
-    errors = [line for line in lines if line.startswith(ERROR_PREFIX)][-1:] + errors
+    errors = [ln.removeprefix(ERROR_PREFIX) for ln in lines if ln.startswith(ERROR_PREFIX)][
+        -1:
+    ] + errors
     said = " / ".join(errors or lines[-3:]) or f"exit {repro.returncode} and no output"
     missing = sorted(set(re.findall(r"missing data '\w+': (\S+)", said)))
     if not missing:
