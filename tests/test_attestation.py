@@ -423,3 +423,35 @@ def test_outputs_the_commits_code_does_not_make_are_not_rebuilt(
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"{VERDICT}NOT REBUILT" in done.stdout and "models/model.safetensors" in done.stdout
     assert "diverge at step" in done.stdout, done.stdout
+
+
+#: A training script whose bytes depend on a variable no statement holds.
+PLANTED = (
+    "import os, pathlib, sys\n"
+    "pathlib.Path(sys.argv[1], 'weights.bin').write_bytes(os.environ.get('PLANT', 'w').encode())\n"
+)
+
+
+@pytest.mark.slow
+def test_a_verified_command_rebuilds_to_its_bytes_and_an_input_outside_its_statement_not(
+    repo: Path, keys: dict[str, Path], rebuilds: Path, tmp_path: Path
+) -> None:
+    (repo / "write.py").write_text(PLANTED)
+    commit_all(repo, "a training script")
+
+    def attested(name: str, **env: str) -> Path:
+        work = tmp_path / name
+        argv = ("verify", "--workdir", work, "--", "python", "write.py", "{out}")
+        done = run_cli(*argv, cwd=repo, **env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        done = run_cli("attest", "--verified", work, "--key", keys["key"], cwd=repo)
+        assert done.returncode == 0, done.stderr
+        return work / "attestation" / "attestation.bundle.json"
+
+    done = _rebuild(repo, keys, rebuilds, attested("plain"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{VERDICT}REBUILT" in done.stdout
+    # Control: its runs were identical, but under a variable the statement does not hold.
+    done = _rebuild(repo, keys, rebuilds, attested("planted", PLANT="x"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"{VERDICT}NOT REBUILT" in done.stdout and "run-0/weights.bin" in done.stdout

@@ -50,7 +50,7 @@ from reprotrain.commands._exit_codes import (
     EXIT_UNREADABLE,
 )
 from reprotrain.commands._rundiff import OPS_FOLDER
-from reprotrain.commands.run import command_of, launch_environment
+from reprotrain.commands.run import command_of, launch_environment, launch_variables
 from reprotrain.compare.files import FileVerdict, compare_files, one_sided
 from reprotrain.determinism import (
     EXPLAINED_PREFIX,
@@ -264,6 +264,7 @@ def verify_script(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     elif verdict == "IDENTICAL":  # what `reprotrain attest --verified` states of these runs
         facts = {"command": cmd, "cwd": str(Path.cwd()), "runs": args.runs, "outputs": names}
+        facts["launch"] = launch_variables(args.cpu_profile, args.threads)
         facts["commit"] = git_state(Path.cwd())["commit"]
         atomic_write_text(workdir / VERIFIED_FILE, canonical_json(facts))
     return EXIT_CODES[verdict]

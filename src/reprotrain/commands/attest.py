@@ -246,6 +246,7 @@ def _verified_command(workdir: Path) -> tuple[Path, list[dict], str, Any]:
         "commit": commit,
         "command": facts["command"],
         "workingDirectory": str(Path(facts["cwd"]).resolve().relative_to(root)),
+        "launch": facts["launch"],
     }
     invocation = sha256_of({"external": external, "environment": environment})
     provenance = Provenance(

@@ -14,7 +14,7 @@ Checks, in order, and stops at the first that fails with one verdict line:
    repository around the current folder), the weights folder as
    ``model_signing`` digests it.
 
-``--rebuild`` (a pipeline build) then trains it again: a clean clone of the
+``--rebuild`` then trains it again: a clean clone of the
 attested commit from ``--repo`` (default: the repository the statement names),
 the commit's package installed from its own lock into its own environment
 (:func:`~reprotrain.commands._rebuild.clone_environment`), the env stage's
@@ -22,7 +22,9 @@ record compared with the attested one (another record: UNVERIFIABLE HERE,
 naming the fields, exit 7: another GPU model or CPU vendor cannot rebuild the
 bits), then ``dvc repro`` of the attested pipeline and every subject compared:
 REBUILT, or NOT REBUILT naming the subjects that differ and, where ``--root``
-holds the attested trace, the first diverging step.
+holds the attested trace, the first diverging step. A verified command is run
+once in the clone's working directory under the launch pins verify used, its
+``{out}`` the rebuild's ``run-0``, and its files compared the same way.
 
 Exit codes: 0 VERIFIED or REBUILT; 1 REJECTED (a check above failed) or NOT
 REBUILT; 2 bad input (a file missing, a key that is no key); 7 UNVERIFIABLE
@@ -41,6 +43,7 @@ from typing import Any
 
 from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED, EXIT_UNVERIFIABLE_HERE
 from reprotrain.commands._git import git
+from reprotrain.commands._rebuild import python_of
 from reprotrain.pipeline.command import Command, stage_arguments
 from reprotrain.pipeline.errors import DataError
 
@@ -166,24 +169,20 @@ def _check_subjects(statement: dict[str, Any], root: Path) -> None:
 
 
 def _rebuild(statement: dict[str, Any], args: argparse.Namespace, root: Path) -> int:
-    from reprotrain.commands._rebuild import clone_at, clone_environment, python_of
+    from reprotrain.commands._rebuild import DEFAULT_LOCK, clone_at, clone_environment
     from reprotrain.provenance.attestation import PIPELINE_BUILD, external, internal
 
-    definition = statement["predicate"]["buildDefinition"]
-    if definition["buildType"] != PIPELINE_BUILD:
-        raise DataError(
-            f"--rebuild: {definition['buildType']} is rebuilt by running its command at the "
-            f"commit (`reprotrain verify -- CMD`), not by this check; drop --rebuild"
-        )
     facts, attested = external(statement), internal(statement)["environment"]
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="reprotrain-rebuild-", dir=args.workdir))
     clone = clone_at(args.repo or facts["repository"], facts["commit"], scratch / "repo")
-    lock = attested["lock"]
+    lock = attested["lock"] or {"file": DEFAULT_LOCK, "sha256": "none"}
     # in --workdir, one environment per lock's bytes, kept for the next rebuild of that lock
     venv = args.workdir / f"venv-{lock['sha256'][:12]}" if args.workdir is not None else None
     variables = clone_environment(clone, lock["file"], fresh=True, venv=venv)
+    if statement["predicate"]["buildDefinition"]["buildType"] != PIPELINE_BUILD:
+        return _rebuild_command(statement, clone, variables, scratch, args.workdir is not None)
     dvc = [python_of(variables), "-m", "dvc", "repro", "--no-run-cache"]
     pipeline = facts["pipeline"]
     _run([*dvc, "--single-item", f"{pipeline}:env"], clone, variables)
@@ -196,8 +195,33 @@ def _rebuild(statement: dict[str, Any], args: argparse.Namespace, root: Path) ->
     return _compare_rebuilt(statement, clone, root, scratch, keep=args.workdir is not None)
 
 
+def _rebuild_command(
+    statement: dict[str, Any], clone: Path, variables: dict[str, str], scratch: Path, keep: bool
+) -> int:
+    """A verified command run once more in the clone, under the pins verify used."""
+    from reprotrain.provenance.attestation import external, internal
+
+    facts = external(statement)
+    probe = "import json; from reprotrain.provenance.environment import bit_deciding as b, "
+    probe += "capture_environment as c; print(json.dumps(b(c(None))))"
+    shown = subprocess.run(
+        [python_of(variables), "-c", probe], env=variables, capture_output=True, text=True
+    )
+    if shown.returncode != 0:
+        raise DataError(f"the clone's environment record: {shown.stderr.strip()[-300:]}")
+    if differing := _differing_fields(internal(statement)["environment"], json.loads(shown.stdout)):
+        print(f"{VERDICT} UNVERIFIABLE HERE: this host's record differs in {', '.join(differing)}")
+        return EXIT_UNVERIFIABLE_HERE
+    out = scratch / "run-0"  # the subjects are named run-0/... as verify's first run
+    out.mkdir()
+    argv = [part.replace("{out}", str(out)) for part in facts["command"]]
+    env = {**variables, **facts["launch"], "REPROTRAIN_OUT": str(out), "REPROTRAIN_RUN_INDEX": "0"}
+    _run(argv, clone / facts["workingDirectory"], env, name=" ".join(facts["command"]))
+    return _compare_rebuilt(statement, scratch, None, scratch, keep)
+
+
 def _compare_rebuilt(
-    statement: dict[str, Any], clone: Path, root: Path, scratch: Path, keep: bool
+    statement: dict[str, Any], clone: Path, root: Path | None, scratch: Path, keep: bool
 ) -> int:
     from reprotrain.provenance.attestation import external, subject_mismatches
 
@@ -213,7 +237,7 @@ def _compare_rebuilt(
         return 0
     print("subjects the rebuild made differently:")
     print("\n".join(f"  {line}" for line in mismatches))
-    if step := _first_diverging_step(statement, clone, root):
+    if root is not None and (step := _first_diverging_step(statement, clone, root)):
         print(step)
     print(f"{VERDICT} NOT REBUILT: {len(mismatches)} subjects differ (clone kept: {clone})")
     return EXIT_CHECK_FAILED
@@ -247,12 +271,16 @@ def _differing_fields(attested: dict[str, Any], here: dict[str, Any]) -> list[st
     ]
 
 
-def _run(argv: list[str], cwd: Path, variables: dict[str, str]) -> None:
-    done = subprocess.run(argv, cwd=cwd, env=variables, capture_output=True, text=True)
+def _run(argv: list[str], cwd: Path, variables: dict[str, str], name: str = "") -> None:
+    try:
+        done = subprocess.run(argv, cwd=cwd, env=variables, capture_output=True, text=True)
+    except OSError as err:
+        raise DataError(f"{argv[0]}: {err.strerror} (in {cwd})") from None
     if done.returncode != 0:
         lines = f"{done.stderr}\n{done.stdout}".strip().splitlines()
         errors = [line for line in lines if "error" in line.lower()] or lines[-3:]
-        raise DataError(f"{' '.join(argv[2:])} failed in {cwd}: {' / '.join(errors[:3])}")
+        said = name or " ".join(argv[2:])
+        raise DataError(f"{said} failed in {cwd}: {' / '.join(errors[:3])}")
 
 
 def _json(path: Path) -> dict[str, Any]:

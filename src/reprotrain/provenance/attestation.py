@@ -37,7 +37,7 @@ COMMAND_BUILD = "urn:reprotrain:build:verified-command:v1"
 #: Each build type -> exactly the externalParameters it takes.
 BUILD_TYPES: dict[str, frozenset[str]] = {
     PIPELINE_BUILD: frozenset({"repository", "commit", "pipeline", "stage", "params", "seed"}),
-    COMMAND_BUILD: frozenset({"repository", "commit", "command", "workingDirectory"}),
+    COMMAND_BUILD: frozenset({"repository", "commit", "command", "workingDirectory", "launch"}),
 }
 #: The subject annotation that marks a folder digest computed as model_signing does.
 FOLDER_DIGEST = "model_signing"
