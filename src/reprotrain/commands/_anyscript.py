@@ -143,10 +143,10 @@ def _is_trace(path: Path) -> bool:
         return False
 
 
-#: Hydra's last line after any error; the error is the paragraph above it.
 #: Written into ``--workdir`` when the runs proved identical: the command, where it ran and
 #: at which commit, for ``reprotrain attest --verified``.
 VERIFIED_FILE = "verified.json"
+#: Hydra's last line after any error; the error is the paragraph above it.
 HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
 
 

@@ -39,6 +39,8 @@ from reprotrain.commands._git import git
 from reprotrain.hashing import canonical_json, sha256_file
 from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.run_record import load_environment
+from reprotrain.provenance.identity import run_id
 
 PARAMS: tuple[str, ...] = ()
 #: The environment variable a CI job sets to the signing key's PEM file.
@@ -92,10 +94,10 @@ def run(_: object, args: argparse.Namespace) -> str:
         (out / earlier).unlink(missing_ok=True)
     payload = statement_bytes(statement)
     atomic_write_bytes(out / STATEMENT_FILE, payload)
-    run_id = provenance.invocation_id[:12]
+    short_id = provenance.invocation_id[:12]
     if signer is None:
         return (
-            f"statement of run {run_id} ({len(subjects)} subjects) -> {out / STATEMENT_FILE}, "
+            f"statement of run {short_id} ({len(subjects)} subjects) -> {out / STATEMENT_FILE}, "
             f"UNSIGNED: no key (--key, or ${KEY_VARIABLE} naming a PEM file)"
         )
     from reprotrain.provenance.signing import sign_bundle
@@ -104,7 +106,7 @@ def run(_: object, args: argparse.Namespace) -> str:
     atomic_write_bytes(out / BUNDLE_FILE, (canonical_json(bundle) + "\n").encode())
     _model_signature(root / weights, out / MODEL_SIGNATURE_FILE, key, args.cert, args.cert_chain)
     return (
-        f"signed statement of run {run_id} ({len(subjects)} subjects) -> {out / BUNDLE_FILE}; "
+        f"signed statement of run {short_id} ({len(subjects)} subjects) -> {out / BUNDLE_FILE}; "
         f"model_signing signature of {weights}/ -> {out / MODEL_SIGNATURE_FILE}"
     )
 
@@ -181,7 +183,7 @@ def _pipeline_run(dvc_yaml: Path) -> tuple[Path, list[dict], str, Any]:
     names = [str((base / f).relative_to(root)) for f in files]
     weights = str((base / train.model).parent.relative_to(root))
     record = _json(base / train.run_record)
-    environment = _json(base / train.env)
+    environment = load_environment(base / train.env)
     params = yaml.safe_load((base / "params.yaml").read_text())
     inputs = record["inputs"]
     pipeline = str(dvc_yaml.resolve().relative_to(root))
@@ -248,7 +250,7 @@ def _verified_command(workdir: Path) -> tuple[Path, list[dict], str, Any]:
         "workingDirectory": str(Path(facts["cwd"]).resolve().relative_to(root)),
         "launch": facts["launch"],
     }
-    invocation = sha256_of({"external": external, "environment": environment})
+    invocation = run_id({"external": external, "environment": environment})
     provenance = Provenance(
         build_type=COMMAND_BUILD,
         external=external,
@@ -262,12 +264,6 @@ def _verified_command(workdir: Path) -> tuple[Path, list[dict], str, Any]:
     )
     subjects = [*file_subjects(workdir, names), folder_subject(workdir, "run-0")]
     return workdir, subjects, "run-0", provenance
-
-
-def sha256_of(value: Any) -> str:
-    import hashlib
-
-    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
 
 
 def _resource(name: str, algorithm: str, digest: str, uri: str | None = None) -> dict[str, Any]:

@@ -357,11 +357,10 @@ def check_reference(rev: str, workdir: Path | None) -> int:
 def _repro_failure(repro: subprocess.CompletedProcess[str], repo: Path) -> str:
     """DVC's own error lines, and what to do when a DVC-tracked input is in no cache or remote."""
     lines = f"{repro.stderr}\n{repro.stdout}".strip().splitlines()
-    errors = [line.removeprefix("ERROR:").strip() for line in lines if line.startswith("ERROR")]
+    dvcs = [line.removeprefix("ERROR:").strip() for line in lines if line.startswith("ERROR")]
     # the stage's own one line first: what failed, before DVC's "failed to reproduce"
-    errors = [ln.removeprefix(ERROR_PREFIX) for ln in lines if ln.startswith(ERROR_PREFIX)][
-        -1:
-    ] + errors
+    own = [line.removeprefix(ERROR_PREFIX) for line in lines if line.startswith(ERROR_PREFIX)]
+    errors = own[-1:] + dvcs
     said = " / ".join(errors or lines[-3:]) or f"exit {repro.returncode} and no output"
     missing = sorted(set(re.findall(r"missing data '\w+': (\S+)", said)))
     if not missing:

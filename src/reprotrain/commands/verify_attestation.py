@@ -46,6 +46,7 @@ from reprotrain.commands._git import git
 from reprotrain.commands._rebuild import python_of
 from reprotrain.pipeline.command import Command, stage_arguments
 from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.run_record import load_environment
 
 PARAMS: tuple[str, ...] = ()
 VERDICT = "reprotrain verify-attestation:"
@@ -186,7 +187,8 @@ def _rebuild(statement: dict[str, Any], args: argparse.Namespace, root: Path) ->
     dvc = [python_of(variables), "-m", "dvc", "repro", "--no-run-cache"]
     pipeline = facts["pipeline"]
     _run([*dvc, "--single-item", f"{pipeline}:env"], clone, variables)
-    here = _json(clone / Path(pipeline).parent / stage_arguments("env", clone / pipeline).out)
+    env_out = stage_arguments("env", clone / pipeline).out
+    here = load_environment(clone / Path(pipeline).parent / env_out)
     if differing := _differing_fields(attested, here):
         print(f"{VERDICT} UNVERIFIABLE HERE: this host's record differs in {', '.join(differing)}")
         print(f"  (the clone is kept: {clone})")
@@ -281,10 +283,3 @@ def _run(argv: list[str], cwd: Path, variables: dict[str, str], name: str = "") 
         errors = [line for line in lines if "error" in line.lower()] or lines[-3:]
         said = name or " ".join(argv[2:])
         raise DataError(f"{said} failed in {cwd}: {' / '.join(errors[:3])}")
-
-
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise DataError(f"{path}: not readable as JSON ({err})") from None
