@@ -173,7 +173,9 @@ def test_the_folder_trains_the_files_weights_at_any_worker_count_and_world_size(
     shards: Path, prepared: Path, env_record: Path, tmp_path: Path
 ) -> None:
     reference = _train(prepared, env_record, tmp_path / "file", *INVARIANT, *_layout(1, 2))
-    layouts = [(1, 0), (1, 4), (2, 1), (4, 0), (4, 4)]
+    # Worker counts 0, 1 and 4, world sizes 1, 2 and 4, both above one at (2, 1); (4, 4)
+    # would add sixteen worker processes, each started from a rank's fork server.
+    layouts = [(1, 0), (1, 4), (2, 1), (4, 0)]
     runs = {
         layout: _train(shards, env_record, tmp_path / f"w{layout}", *INVARIANT, *_layout(*layout))
         for layout in layouts
