@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,6 +29,7 @@ from reprotrain.recipes.digits import DigitsData
 from reprotrain.trace.tracefile import load_trace
 from tests.helpers import (
     ROOT,
+    cli_env,
     kill_after_checkpoint,
     run_cli,
     signal_after_checkpoint,
@@ -195,6 +201,49 @@ def test_workers_start_from_a_fork_server_only_under_a_process_group(
     # Negative control: data a fork server cannot receive forks as before, and says why.
     with pytest.warns(UserWarning, match="cannot be pickled for a fork server"):
         assert worker_start(lambda: None) is None
+
+
+#: A job that starts one process from a fork server preloading argv's modules, prints its
+#: pid and waits: what a rank does with its DataLoader workers.
+FORK_SERVER_JOB = """
+import multiprocessing, sys, time
+context = multiprocessing.get_context("forkserver")
+context.set_forkserver_preload(sys.argv[1:])
+child = context.Process(target=time.sleep, args=(600,))
+child.start()
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _outlives_its_killed_job(*preload: str, wait_s: float) -> bool:
+    """Whether the fork server's child still runs ``wait_s`` after its job's kill -9."""
+    job = subprocess.Popen(
+        [sys.executable, "-c", FORK_SERVER_JOB, *preload],
+        stdout=subprocess.PIPE, text=True, env=cli_env(), start_new_session=True,
+    )  # fmt: skip
+    child = int(job.stdout.readline())
+    job.kill()
+    job.wait()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            return False
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    return True
+
+
+def test_a_fork_servers_workers_end_when_their_job_is_killed() -> None:
+    assert not _outlives_its_killed_job("reprotrain.distributed._fork_server", wait_s=30)
+
+
+def test_a_plain_fork_servers_child_outlives_its_killed_job() -> None:
+    """Negative control: without the module, server and child wait on each other for good."""
+    assert _outlives_its_killed_job(wait_s=3)
 
 
 def test_without_a_process_group_workers_fork(prepared: Path) -> None:
