@@ -218,13 +218,12 @@ time.sleep(600)
 
 def _outlives_its_killed_job(*preload: str, wait_s: float) -> bool:
     """Whether the fork server's child still runs ``wait_s`` after its job's kill -9."""
-    job = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", FORK_SERVER_JOB, *preload],
         stdout=subprocess.PIPE, text=True, env=cli_env(), start_new_session=True,
-    )  # fmt: skip
-    child = int(job.stdout.readline())
-    job.kill()
-    job.wait()
+    ) as job:  # fmt: skip
+        child = int(job.stdout.readline())
+        job.kill()
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:

@@ -183,27 +183,30 @@ def _rebuild(statement: dict[str, Any], args: argparse.Namespace, root: Path) ->
     venv = args.workdir / f"venv-{lock['sha256'][:12]}" if args.workdir is not None else None
     variables = clone_environment(clone, lock["file"], fresh=True, venv=venv)
     if statement["predicate"]["buildDefinition"]["buildType"] != PIPELINE_BUILD:
-        return _rebuild_command(statement, clone, variables, scratch, args.workdir is not None)
+        return _rebuild_command(statement, facts, clone, variables, scratch, args.workdir)
     dvc = [python_of(variables), "-m", "dvc", "repro", "--no-run-cache"]
     pipeline = facts["pipeline"]
     _run([*dvc, "--single-item", f"{pipeline}:env"], clone, variables)
     env_out = stage_arguments("env", clone / pipeline).out
     here = load_environment(clone / Path(pipeline).parent / env_out)
     if differing := _differing_fields(attested, here):
-        print(f"{VERDICT} UNVERIFIABLE HERE: this host's record differs in {', '.join(differing)}")
-        print(f"  (the clone is kept: {clone})")
-        return EXIT_UNVERIFIABLE_HERE
+        return _unverifiable(differing, clone)
     _run([*dvc, pipeline], clone, variables)
     return _compare_rebuilt(statement, clone, root, scratch, keep=args.workdir is not None)
 
 
 def _rebuild_command(
-    statement: dict[str, Any], clone: Path, variables: dict[str, str], scratch: Path, keep: bool
+    statement: dict[str, Any],
+    facts: dict[str, Any],
+    clone: Path,
+    variables: dict[str, str],
+    scratch: Path,
+    workdir: Path | None,
 ) -> int:
-    """A verified command run once more in the clone, under the pins verify used."""
-    from reprotrain.provenance.attestation import external, internal
+    """A verified command (``facts``, its externalParameters) run once more in the clone,
+    under the pins verify used."""
+    from reprotrain.provenance.attestation import internal
 
-    facts = external(statement)
     probe = "import json; from reprotrain.provenance.environment import bit_deciding as b, "
     probe += "capture_environment as c; print(json.dumps(b(c(None))))"
     shown = subprocess.run(
@@ -212,14 +215,19 @@ def _rebuild_command(
     if shown.returncode != 0:
         raise DataError(f"the clone's environment record: {shown.stderr.strip()[-300:]}")
     if differing := _differing_fields(internal(statement)["environment"], json.loads(shown.stdout)):
-        print(f"{VERDICT} UNVERIFIABLE HERE: this host's record differs in {', '.join(differing)}")
-        return EXIT_UNVERIFIABLE_HERE
+        return _unverifiable(differing, clone)
     out = scratch / "run-0"  # the subjects are named run-0/... as verify's first run
     out.mkdir()
     argv = [part.replace("{out}", str(out)) for part in facts["command"]]
     env = {**variables, **facts["launch"], "REPROTRAIN_OUT": str(out), "REPROTRAIN_RUN_INDEX": "0"}
     _run(argv, clone / facts["workingDirectory"], env, name=" ".join(facts["command"]))
-    return _compare_rebuilt(statement, scratch, None, scratch, keep)
+    return _compare_rebuilt(statement, scratch, None, scratch, keep=workdir is not None)
+
+
+def _unverifiable(differing: list[str], clone: Path) -> int:
+    print(f"{VERDICT} UNVERIFIABLE HERE: this host's record differs in {', '.join(differing)}")
+    print(f"  (the clone is kept: {clone})")
+    return EXIT_UNVERIFIABLE_HERE
 
 
 def _compare_rebuilt(

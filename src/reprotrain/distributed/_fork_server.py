@@ -23,6 +23,7 @@ import os
 import select
 import signal
 import threading
+import time
 
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
 
@@ -44,7 +45,7 @@ def _end_with_the_job() -> None:
         ended = os.pidfd_open(_JOB)
     except (AttributeError, OSError):  # no pidfd here (old kernel): ask every second
         while os.getppid() == _JOB:
-            threading.Event().wait(1.0)
+            time.sleep(1.0)
     else:
         select.select([ended], [], [])
     os._exit(0)
