@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from reprotrain.determinism import configure_determinism
-from reprotrain.distributed.ddp import ddp_strategy
+from reprotrain.distributed.ddp import ddp_strategy, worker_start
 from reprotrain.distributed.worldsize import (
     MicroBatchSampler,
     WorldSizeInvariantStrategy,
@@ -81,11 +81,13 @@ class Data(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self.trainer.global_rank, self.trainer.world_size
+        # workers start from a fork server, not forked beside gloo's threads (a hang, twice)
+        start = {"num_workers": 2, "multiprocessing_context": worker_start(Noisy())}
         if self.plain:  # each rank: its strided share of one shuffle, BATCH / world each
             order = torch.randperm(200, generator=self.generator)[rank::world].tolist()
-            return DataLoader(Noisy(), batch_size=BATCH // world, sampler=order, num_workers=2)
+            return DataLoader(Noisy(), batch_size=BATCH // world, sampler=order, **start)
         sampler = MicroBatchSampler(200, BATCH, MICRO, rank, world, self.generator)
-        return DataLoader(Noisy(), batch_sampler=sampler, num_workers=2, generator=self.generator)
+        return DataLoader(Noisy(), batch_sampler=sampler, generator=self.generator, **start)
 
 
 def main() -> None:
