@@ -15,11 +15,17 @@ on which x86-64 CPU runs the job:
       sizes and reduction order (MKL's conditional numerical reproducibility).
       The ISA-named branches (``AVX2``...) exist only on Intel CPUs; elsewhere MKL
       falls back to ``AUTO`` without a word, so only ``COMPATIBLE`` means the
-      same thing on Intel and AMD.
+      same thing on Intel and AMD. Kept for what still reaches MKL (``mv``,
+      linear algebra), not for the routed products.
     * oneDNN off (``torch.backends.mkldnn.enabled = False``): convolutions run as
-      ATen's im2col + MKL GEMM. oneDNN's JIT kernels choose their blocking from
+      ATen's im2col + GEMM. oneDNN's JIT kernels choose their blocking from
       the ISA and the cache sizes it detects, which no variable pins; with it off,
       ``ONEDNN_MAX_CPU_ISA`` no longer changes the bits (tested).
+    * The project's kernels (:mod:`reprotrain.portable_kernels`): matrix products
+      and the convolution's GEMM on one pinned OpenBLAS build at its Haswell
+      level (``OPENBLAS_CORETYPE``) in fixed blocks, and dropout's mask on ATen's
+      generator on every vendor (torch draws it with MKL on Intel CPUs only). So
+      a training step of the shipped recipes makes no MKL call at all.
     * ``threads`` intra-op threads (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``) and
       one inter-op thread: the split of a reduction follows the thread count.
 
@@ -39,6 +45,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 PROFILES = ("portable", "native")
@@ -46,6 +53,26 @@ PROFILES = ("portable", "native")
 PORTABLE_ATEN_LEVEL = "avx2"
 PORTABLE_REQUIRES = ("avx2", "fma")
 PORTABLE_MKL_BRANCH = "COMPATIBLE,STRICT"
+#: What the pinned OpenBLAS reads when it loads: its Haswell kernels, one thread per call.
+OPENBLAS_VARIABLES = {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "1"}
+#: The aten overloads ``portable`` routes to its own kernels (reprotrain.portable_kernels).
+ROUTED = (
+    *("mm", "addmm", "bmm", "baddbmm"),
+    *("convolution", "convolution_backward"),
+    "bernoulli_.float",
+)
+#: Output rows per pinned GEMM call: a constant, so the blocks do not follow the thread count.
+ROW_BLOCK = 128
+
+
+def openblas_version() -> str:
+    """The installed scipy-openblas32 (the pinned OpenBLAS), or ``missing``."""
+    try:
+        return metadata.version("scipy-openblas32")
+    except metadata.PackageNotFoundError:
+        return "missing"
+
+
 #: Variables a profile leaves alone but that would change kernels if it did not neutralise them.
 NEUTRALISED = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
@@ -73,6 +100,7 @@ class CpuProfile:
         if self.portable:
             pinned["ATEN_CPU_CAPABILITY"] = PORTABLE_ATEN_LEVEL
             pinned["MKL_CBWR"] = PORTABLE_MKL_BRANCH
+            pinned.update(OPENBLAS_VARIABLES)
         return pinned
 
     def contradictions(self, environ: Mapping[str, str] = os.environ) -> list[str]:
@@ -91,6 +119,11 @@ class CpuProfile:
         out: dict[str, Any] = {"profile": self.name, "threads": self.threads}
         if self.portable:
             out.update(pins=self.variables(), onednn=False, requires=list(PORTABLE_REQUIRES))
+            out["kernels"] = {
+                "routed": list(ROUTED),
+                "openblas": openblas_version(),
+                "row_block": ROW_BLOCK,
+            }
         return out
 
     def missing_features(self, cpu_flags: set[str] | frozenset[str]) -> list[str]:
@@ -105,6 +138,8 @@ class CpuProfile:
         """
         import torch
 
+        from reprotrain import portable_kernels
+
         start = "it must be set when the process starts (reexec_with_fixed_hash_seed)"
         problems = [
             f"{item}: exported against the {self.describe()}; {start}"
@@ -117,6 +152,13 @@ class CpuProfile:
         ]
         torch.backends.mkldnn.enabled = not self.portable
         torch.set_num_threads(self.threads)
+        if not self.portable:
+            portable_kernels.disable()
+        else:
+            try:
+                portable_kernels.enable(self.threads)
+            except portable_kernels.KernelsUnavailable as err:
+                problems.append(f"the {self.describe()} cannot route its kernels: {err}")
         if torch.get_num_interop_threads() != 1:
             try:
                 torch.set_num_interop_threads(1)

@@ -1,0 +1,328 @@
+"""Kernels the portable CPU profile chooses, so that the CPU does not choose them.
+
+Under ``cpu.profile: portable`` a training step's kernels must give the same
+bits on any x86-64 CPU with AVX2 and FMA, whatever its vendor, model, caches or
+core count. ATen's own kernels do at the pinned ISA level (``cpuprofile``);
+two families of kernels that torch hands to MKL do not, and :func:`enable`
+replaces them on the CPU dispatch key through ``torch.library``:
+
+* **Matrix products** (``mm``, ``addmm``, ``bmm``, ``baddbmm``) and 2-D
+  convolutions (``convolution`` and its backward, as ATen's ``unfold`` /
+  ``fold`` around the same GEMM: ATen's own slow path calls MKL per sample,
+  through a kernel stub no library can replace): one OpenBLAS build from the
+  lock (``scipy-openblas32``, pinned exactly) with its Haswell kernels forced
+  (``OPENBLAS_CORETYPE=Haswell``: AVX2 + FMA, fixed blocking), called with one
+  OpenBLAS thread. The product is cut into fixed blocks of
+  :data:`~reprotrain.cpuprofile.ROW_BLOCK` output rows (one block per matrix
+  of a batch at least), each computed by one call in one thread; ``threads``
+  Python threads share the blocks. So the bits follow neither the host's cores
+  nor ``cpu.threads``: OpenBLAS's own threading splits K-sums by thread count
+  and silently caps the count at the host's cores (measured,
+  ``../shared/reference/cross-vendor``). MKL's ``COMPATIBLE`` branch gave one
+  set of bits on both vendors too, but at SSE2 speed (about 2.5x slower per
+  GEMM here).
+* **``bernoulli_(p: float)``** (dropout's mask): torch samples it with MKL's
+  VSL generator on Intel CPUs only (a ``cpuinfo`` vendor test in ATen's
+  ``DistributionKernels.cpp``) and with ATen's own generator elsewhere, so the
+  same seed draws other masks on the two vendors. The override always takes
+  ATen's generator path (the probability passed as a float64 tensor, which
+  draws the same stream as ATen's scalar path: tested), on every vendor.
+
+Other dtypes than float32 and float64, and other convolutions (1-D, 3-D,
+grouped, transposed), go to torch's own CPU kernel, captured before the
+override. What is not routed (``mv``/``addmv``, linear algebra, MKL's VML
+functions) is listed in docs/cpu-profile.md; a training step that reaches
+MKL's BLAS shows up in ``MKL_VERBOSE`` (tests/test_portable_kernels.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reprotrain.cpuprofile import OPENBLAS_VARIABLES, ROUTED, ROW_BLOCK
+
+#: The OpenBLAS core type whose kernels every host runs (needs AVX2 and FMA).
+CORETYPE = OPENBLAS_VARIABLES["OPENBLAS_CORETYPE"]
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+_state: dict[str, Any] = {"library": None, "pool": None, "pool_pid": 0, "threads": 1}
+#: torch's own CPU kernels of the routed ops, for what the pinned ones do not take.
+_torchs: dict[str, Any] = {}
+_load_lock = threading.Lock()
+
+
+class KernelsUnavailable(RuntimeError):
+    """The pinned OpenBLAS cannot be loaded: the portable profile cannot run here."""
+
+
+def _load_blas() -> Any:
+    """The pinned OpenBLAS (scipy-openblas32), loaded once with its Haswell kernels forced."""
+    with _load_lock:
+        if "blas" in _state:
+            return _state["blas"]
+        # Found without importing it: its __init__ loads the library, before our variables.
+        spec = importlib.util.find_spec("scipy_openblas32")
+        if spec is None or not spec.submodule_search_locations:
+            raise KernelsUnavailable(
+                "scipy-openblas32 is not installed: the portable CPU profile needs the OpenBLAS "
+                "build from the lock; run `make venv` (or pip install -r requirements-cpu.lock)"
+            )
+        folder = Path(spec.submodule_search_locations[0]) / "lib"
+        paths = sorted(folder.glob("libscipy_openblas*.so*"))
+        if not paths:
+            raise KernelsUnavailable(f"no libscipy_openblas*.so in {folder}: reinstall the lock")
+        # OpenBLAS reads these once, when it loads; the profile exports them too.
+        for name, value in OPENBLAS_VARIABLES.items():
+            os.environ[name] = value
+        blas = ctypes.CDLL(str(paths[0]))  # CDLL: calls release the GIL
+        blas.scipy_openblas_get_corename.restype = ctypes.c_char_p
+        core = blas.scipy_openblas_get_corename().decode()
+        if core.lower() != CORETYPE.lower():
+            raise KernelsUnavailable(
+                f"OpenBLAS runs its {core} kernels, not {CORETYPE}: OpenBLAS was loaded before "
+                "the portable profile set OPENBLAS_CORETYPE, or this CPU lacks AVX2/FMA"
+            )
+        blas.scipy_openblas_set_num_threads(1)
+        c_int, c_ptr = ctypes.c_int, ctypes.c_void_p
+        for name, real in (
+            ("scipy_cblas_sgemm", ctypes.c_float),
+            ("scipy_cblas_dgemm", ctypes.c_double),
+        ):
+            fn = getattr(blas, name)
+            fn.restype = None
+            fn.argtypes = [c_int] * 6 + [real, c_ptr, c_int, c_ptr, c_int, real, c_ptr, c_int]
+        _state["blas"] = blas
+        return blas
+
+
+def _operand(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``x`` (2-D) as a row-major BLAS operand: (tensor, transpose flag, leading dimension)."""
+    rows, cols = x.shape
+    if x.stride(1) == 1 and x.stride(0) >= max(1, cols):
+        return x, _NO_TRANS, x.stride(0)
+    if x.stride(0) == 1 and x.stride(1) >= max(1, rows):
+        return x, _TRANS, x.stride(1)
+    x = x.contiguous()
+    return x, _NO_TRANS, max(1, cols)
+
+
+def _blocks(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
+) -> list[Callable[[], None]]:
+    """One call per block of ROW_BLOCK rows of ``c = alpha * a @ b + beta * c`` (c contiguous)."""
+    blas = _state["blas"]
+    gemm = blas.scipy_cblas_sgemm if c.dtype == torch.float32 else blas.scipy_cblas_dgemm
+    a, trans_a, lda = _operand(a)
+    b, trans_b, ldb = _operand(b)
+    m, n, k = c.shape[0], c.shape[1], a.shape[1]
+    size, row = a.element_size(), a.stride(0)  # logical rows, whichever way A is stored
+
+    def block(start: int) -> Callable[[], None]:
+        # a, b and c are read when the call runs, so a copied operand lives until then
+        rows = min(ROW_BLOCK, m - start)
+        return lambda: gemm(
+            *(_ROW_MAJOR, trans_a, trans_b, rows, n, k, alpha),
+            *(a.data_ptr() + start * row * size, lda, b.data_ptr(), ldb, beta),
+            *(c.data_ptr() + start * n * size, n),
+        )
+
+    return [block(start) for start in range(0, m, ROW_BLOCK)]
+
+
+def _pool() -> ThreadPoolExecutor | None:
+    """The block threads of this process; a forked child (a DataLoader worker) makes its own."""
+    threads, pool = _state["threads"], _state["pool"]
+    if threads > 1 and (pool is None or _state["pool_pid"] != os.getpid()):
+        pool = _state["pool"] = ThreadPoolExecutor(threads, "reprotrain-gemm")
+        _state["pool_pid"] = os.getpid()
+    return pool if threads > 1 else None
+
+
+def _run(calls: Sequence[Callable[[], None]]) -> None:
+    pool = _pool()
+    if pool is None or len(calls) == 1:
+        for call in calls:
+            call()
+        return
+    for future in [pool.submit(call) for call in calls]:
+        future.result()
+
+
+def _batched(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> None:
+    """``c[i] = alpha * a[i] @ b[i] + beta * c[i]`` for 3-D operands; ``c`` contiguous."""
+    if c.numel() == 0:
+        return
+    if a.shape[-1] == 0:  # an empty sum: BLAS would not touch C
+        c.mul_(beta) if beta != 0 else c.zero_()
+        return
+    _run([call for i in range(c.shape[0]) for call in _blocks(a[i], b[i], c[i], alpha, beta)])
+
+
+def _pinned(*tensors: torch.Tensor | None) -> bool:
+    """Whether the pinned GEMM takes these operands: float32 or float64, one dtype."""
+    dtypes = {t.dtype for t in tensors if t is not None}
+    return len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64}
+
+
+def _torchs_kernel(name: str, *args: Any, **kwargs: Any) -> Any:
+    """torch's own CPU kernel of ``name``, as registered before :func:`enable`."""
+    return _torchs[name].call_boxed(
+        torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs
+    )
+
+
+def _product(
+    a: torch.Tensor, b: torch.Tensor, base: torch.Tensor | None, beta: float, alpha: float
+) -> torch.Tensor:
+    """``beta * base + alpha * a @ b`` for 3-D float ``a`` and ``b``, base broadcast."""
+    shape = (a.shape[0], a.shape[1], b.shape[2])
+    out = torch.empty(shape, dtype=a.dtype)
+    if base is not None and beta != 0:
+        out.copy_(base.expand(shape))
+    _batched(a, b, out, alpha, beta if base is not None else 0.0)
+    return out
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if not _pinned(a, b):
+        return _torchs_kernel("mm", a, b)
+    return _product(a[None], b[None], None, 0.0, 1.0)[0]
+
+
+def _addmm(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1
+) -> torch.Tensor:
+    if not _pinned(base, a, b):
+        return _torchs_kernel("addmm", base, a, b, beta=beta, alpha=alpha)
+    return _product(a[None], b[None], base[None] if base.dim() == 2 else base, beta, alpha)[0]
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if not _pinned(a, b):
+        return _torchs_kernel("bmm", a, b)
+    return _product(a, b, None, 0.0, 1.0)
+
+
+def _baddbmm(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1
+) -> torch.Tensor:
+    if not _pinned(base, a, b):
+        return _torchs_kernel("baddbmm", base, a, b, beta=beta, alpha=alpha)
+    return _product(a, b, base, beta, alpha)
+
+
+def _plain_2d(x: torch.Tensor, weight: torch.Tensor, transposed: bool, groups: int) -> bool:
+    """A convolution the im2col path takes: 2-D, not transposed, one group, float."""
+    return x.dim() == 4 and not transposed and groups == 1 and _pinned(x, weight)
+
+
+def _columns(x: torch.Tensor, weight: torch.Tensor, conv: tuple[Any, ...]) -> torch.Tensor:
+    """im2col of ``x`` (N, C, H, W) as (C*kh*kw, N*L): ATen's unfold, which only copies."""
+    stride, padding, dilation = conv
+    cols = torch.nn.functional.unfold(x, tuple(weight.shape[2:]), *(dilation, padding, stride))
+    return cols.transpose(0, 1).reshape(cols.shape[1], -1)
+
+
+def _convolution(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *conv: Any,
+) -> torch.Tensor:
+    stride, padding, dilation, transposed, _output_padding, groups = conv
+    if not _plain_2d(x, weight, transposed, groups):
+        return _torchs_kernel("convolution", x, weight, bias, *conv)
+    size = [
+        (x.shape[2 + d] + 2 * padding[d] - dilation[d] * (weight.shape[2 + d] - 1) - 1) // stride[d]
+        + 1
+        for d in (0, 1)
+    ]
+    matrix, cols = weight.reshape(weight.shape[0], -1), _columns(x, weight, conv[:3])
+    out = _mm(matrix, cols) if bias is None else _addmm(bias[:, None], matrix, cols)
+    return out.reshape(weight.shape[0], x.shape[0], *size).transpose(0, 1).contiguous()
+
+
+def _convolution_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: Sequence[int] | None,
+    *conv: Any,
+) -> tuple[torch.Tensor | None, ...]:
+    stride, padding, dilation, transposed, _output_padding, groups, mask = conv
+    if not _plain_2d(x, weight, transposed, groups) or not _pinned(grad, x):
+        return _torchs_kernel("convolution_backward", grad, x, weight, bias_sizes, *conv)
+    grad_rows = grad.transpose(0, 1).reshape(weight.shape[0], -1)  # (O, N*L)
+    grad_input = grad_weight = grad_bias = None
+    if mask[0]:
+        cols = _mm(weight.reshape(weight.shape[0], -1).t(), grad_rows)  # (C*kh*kw, N*L)
+        cols = cols.reshape(cols.shape[0], x.shape[0], -1).transpose(0, 1)
+        grad_input = torch.nn.functional.fold(
+            cols, tuple(x.shape[2:]), tuple(weight.shape[2:]), *(dilation, padding, stride)
+        )
+    if mask[1]:
+        grad_weight = _mm(grad_rows, _columns(x, weight, conv[:3]).t()).reshape(weight.shape)
+    if mask[2]:
+        grad_bias = grad_rows.sum(1)
+    return grad_input, grad_weight, grad_bias
+
+
+def _bernoulli(
+    x: torch.Tensor, p: float = 0.5, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    return x.bernoulli_(torch.full(x.shape, p, dtype=torch.float64), generator=generator)
+
+
+_KERNELS: dict[str, Callable[..., Any]] = {
+    "mm": _mm,
+    "addmm": _addmm,
+    "bmm": _bmm,
+    "baddbmm": _baddbmm,
+    "convolution": _convolution,
+    "convolution_backward": _convolution_backward,
+    "bernoulli_.float": _bernoulli,
+}
+
+
+def enable(threads: int = 1) -> None:
+    """Route :data:`ROUTED` to the pinned kernels in this process, ``threads`` sharing the blocks.
+
+    Raises :class:`KernelsUnavailable` when the pinned OpenBLAS cannot load.
+    Idempotent; :func:`disable` restores torch's own kernels.
+    """
+    _load_blas()
+    if _state["library"] is None:
+        for name in ROUTED:  # torch's kernels, before ours replace them
+            _torchs[name] = torch._C._dispatch_get_computed_kernel_for_dispatch_key(
+                f"aten::{name}", torch._C.DispatchKey.CPU
+            )
+        library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # torch warns on every replaced kernel; that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            for name in ROUTED:
+                library.impl(name, _KERNELS[name], "CPU")
+        _state["library"] = library
+    if threads != _state["threads"]:
+        if _state["pool"] is not None and _state["pool_pid"] == os.getpid():
+            _state["pool"].shutdown()
+        _state.update(pool=None, threads=threads)
+
+
+def disable() -> None:
+    """Give the routed ops back to torch's own kernels (a no-op when they are not routed)."""
+    if _state["library"] is not None:
+        _state["library"]._destroy()
+        _state["library"] = None
+
+
+def enabled() -> bool:
+    return _state["library"] is not None

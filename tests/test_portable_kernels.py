@@ -1,0 +1,161 @@
+"""The portable profile's own kernels (reprotrain.portable_kernels).
+
+What is shown on one host: the routed products agree with torch's to rounding,
+give the same bits at any thread count, and the switch is explicit (off gives
+torch's kernels back); dropout's mask is ATen's own stream; and a training step
+of either shipped recipe under ``portable`` makes no MKL call, where ``native``
+makes many (the negative control). That the bits are the same on another vendor
+is what docs/cpu-profile.md's per-host rows show.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from reprotrain import portable_kernels
+from reprotrain.cpuprofile import ROUTED, CpuProfile
+from tests.helpers import ROOT
+
+
+@pytest.fixture
+def routed() -> Iterator[None]:
+    portable_kernels.enable(1)
+    yield
+    portable_kernels.disable()
+    portable_kernels.enable(1)  # the thread pool back to one thread
+    portable_kernels.disable()
+
+
+def _products(seed: int = 0) -> list[torch.Tensor]:
+    """Every routed product over operands of both layouts, odd sizes and a row count
+    above one block, with the gradients of a convolution and of attention."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # the convolution's initial weights
+    out = []
+    for m, n, k in [(300, 70, 50), (129, 3, 257), (1, 1, 1), (5, 0, 3), (7, 5, 0)]:
+        a, at = torch.randn(m, k, generator=g), torch.randn(k, m, generator=g).t()
+        b, bt = torch.randn(k, n, generator=g), torch.randn(n, k, generator=g).t()
+        bias = torch.randn(n, generator=g)
+        out += [
+            a @ b,
+            at @ bt,
+            torch.addmm(bias, a, bt, beta=0.5, alpha=2.0),
+            a.double() @ b.double(),
+        ]
+    q = torch.randn(6, 140, 16, generator=g, requires_grad=True)
+    attention = torch.softmax(q @ q.transpose(1, 2), -1) @ q
+    out += [attention, torch.baddbmm(q[:, :, :3], q, q.transpose(1, 2)[:, :, :3])]
+    out.append(torch.autograd.grad(attention.square().sum(), q)[0])
+    conv = torch.nn.Conv2d(3, 8, 5, stride=2, padding=1)
+    x = torch.randn(4, 3, 28, 28, generator=g, requires_grad=True)
+    y = conv(x)
+    out += [y, *torch.autograd.grad(y.square().sum(), [x, conv.weight, conv.bias])]
+    return [t.detach() for t in out]
+
+
+def test_routed_products_agree_with_torch_and_are_not_torchs_kernels() -> None:
+    mkldnn = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False  # the convolution's im2col path, as under portable
+    try:
+        theirs = _products()
+        portable_kernels.enable(1)
+        ours = _products()
+        portable_kernels.disable()
+        again = _products()
+    finally:
+        portable_kernels.disable()
+        torch.backends.mkldnn.enabled = mkldnn
+    assert all(
+        torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(theirs, ours, strict=True)
+    )
+    assert not all(torch.equal(a, b) for a, b in zip(theirs, ours, strict=True))  # routed at all
+    assert all(torch.equal(a, b) for a, b in zip(theirs, again, strict=True))  # off: torch's again
+
+
+def test_the_thread_count_leaves_the_products_bits_alone() -> None:
+    torch.backends.mkldnn.enabled = False
+    try:
+        runs = []
+        for threads in (1, 2, 3):
+            portable_kernels.enable(threads)
+            runs.append(_products())
+    finally:
+        portable_kernels.disable()
+        portable_kernels.enable(1)
+        portable_kernels.disable()
+        torch.backends.mkldnn.enabled = True
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
+
+
+def test_other_inputs_give_other_products(routed: None) -> None:
+    one, other = _products(seed=0), _products(seed=1)
+    assert not torch.equal(one[0], other[0]) and not torch.equal(one[-1], other[-1])
+
+
+def test_integer_products_stay_exact(routed: None) -> None:
+    a, b = torch.arange(12).reshape(3, 4), torch.arange(8).reshape(4, 2)
+    assert torch.equal(a @ b, torch.tensor([[28, 34], [76, 98], [124, 162]]))  # torch's kernel
+
+
+def test_dropouts_mask_is_atens_own_stream(routed: None) -> None:
+    torch.manual_seed(5)
+    ours = torch.empty(1000).bernoulli_(0.3)
+    portable_kernels.disable()
+    torch.manual_seed(5)
+    # ATen's generator path, which torch takes on AMD CPUs (and MKL's VSL on Intel ones)
+    atens = torch.empty(1000).bernoulli_(torch.full((1000,), 0.3, dtype=torch.float64))
+    assert torch.equal(ours, atens)
+
+
+def test_another_seed_draws_another_mask(routed: None) -> None:
+    masks = []
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        masks.append(torch.empty(1000).bernoulli_(0.3))
+    assert not torch.equal(*masks)
+
+
+def test_every_routed_op_has_a_kernel() -> None:
+    assert set(ROUTED) == set(portable_kernels._KERNELS)
+    assert CpuProfile("portable").record()["kernels"]["routed"] == list(ROUTED)
+    assert "kernels" not in CpuProfile("native").record()
+
+
+def _mkl_calls(profile: str, recipe: str) -> int:
+    """MKL calls (MKL_VERBOSE lines) during two training steps of a recipe's model."""
+    script = ROOT / "tests" / "scripts" / "mkl_calls.py"
+    env = {
+        **os.environ,
+        **CpuProfile(profile).variables(),
+        "MKL_VERBOSE": "1",
+        "PYTHONHASHSEED": "0",
+    }
+    done = subprocess.run(
+        [sys.executable, str(script), recipe, profile],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    lines = done.stdout.splitlines()
+    assert "MARK stepped" in lines, done.stdout[-2000:] + done.stderr[-2000:]
+    steps = lines[lines.index("MARK start") : lines.index("MARK stepped")]
+    return sum(line.startswith("MKL_VERBOSE") for line in steps)
+
+
+@pytest.mark.parametrize("recipe", ["digits", "lm"])
+def test_a_portable_training_step_makes_no_mkl_call(recipe: str) -> None:
+    assert _mkl_calls("portable", recipe) == 0
+
+
+@pytest.mark.parametrize("recipe", ["digits", "lm"])
+def test_a_native_training_step_calls_mkl(recipe: str) -> None:
+    assert _mkl_calls("native", recipe) > 0  # MKL's verbose mode does count the calls
