@@ -11,7 +11,8 @@
 # its cost under portable is MKL's GEMM (benchmarks/cpu_pins.py --workload lm), so its rows put
 # MKL's Intel-only AVX2 branch (MKL_CBWR=AVX2,STRICT) beside COMPATIBLE, with MKL's dispatch
 # also capped at AVX2 (MKL_ENABLE_INSTRUCTIONS, an older Intel CPU emulated; the cap alone, with
-# no branch, is the control that it reaches MKL). Run from the
+# no branch, is the control that it reaches MKL); "lm-portable" is the recipe's own params
+# (portable: the project's kernels, no MKL in a step). Run from the
 # repository root after `make venv`:
 #     bash benchmarks/pin_sets.sh
 # (The same rows as ../shared/tools/pin-fingerprints.sh, whose table the docs extend.)
@@ -22,6 +23,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cp params.yaml "$work/"
 sed 's/profile: portable/profile: native/' pipelines/lm/params.yaml >"$work/lm-params.yaml"
+cp pipelines/lm/params.yaml "$work/lm-portable-params.yaml"
 cd "$work"
 sed 's/profile: portable/profile: native/' params.yaml >params-native.yaml
 cp params.yaml params-portable.yaml
@@ -44,13 +46,13 @@ run() {
 fingerprint() {
 	printf '%-40s %s\n' "$1" "$(python -c "from reprotrain.hashing import sha256_state_dict as f, load_safetensors as l; w = l('$1/m.safetensors')[0]; print(f({k.removeprefix('net.'): v for k, v in w.items()})[:16])")"
 }
-run_lm() {
-	local name=$1
+run_lm() { # name, then variables; LM_PARAMS: another params file (default: native)
+	local name=$1 params=${LM_PARAMS:-lm-params.yaml}
 	shift
 	mkdir -p "$name"
 	env "$@" reprotrain env --lock "$root/requirements-cpu.lock" --out "$name/env.json" \
-		--params lm-params.yaml >/dev/null
-	env "$@" reprotrain train --params lm-params.yaml --env "$name/env.json" \
+		--params "$params" >/dev/null
+	env "$@" reprotrain train --params "$params" --env "$name/env.json" \
 		--model "$name/m.safetensors" --metrics "$name/met.json" --plots "$name/plots" \
 		--run-record "$name/run.json" --checkpoints "$name/ck" -S train.max_epochs=1 \
 		>"$name/log" 2>&1 ||
@@ -68,6 +70,7 @@ run native-aten-avx2-onednn-avx2-mklcompat native ATEN_CPU_CAPABILITY=avx2 ONEDN
 	MKL_CBWR=COMPATIBLE,STRICT
 run native-onednn-sse41-mklcompat native ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=SSE41 \
 	MKL_CBWR=COMPATIBLE,STRICT
+LM_PARAMS=lm-portable-params.yaml run_lm lm-portable X=1
 run_lm lm-native X=1
 run_lm lm-aten-avx2 ATEN_CPU_CAPABILITY=avx2
 run_lm lm-aten-avx2-mkl-capped ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
