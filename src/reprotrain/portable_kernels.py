@@ -221,15 +221,47 @@ def _baddbmm(
 
 
 def _plain_2d(x: torch.Tensor, weight: torch.Tensor, transposed: bool, groups: int) -> bool:
-    """A convolution the im2col path takes: 2-D, not transposed, one group, float."""
+    """A convolution the im2col path here takes: 2-D, not transposed, one group, float."""
     return x.dim() == 4 and not transposed and groups == 1 and _pinned(x, weight)
 
 
-def _columns(x: torch.Tensor, weight: torch.Tensor, conv: tuple[Any, ...]) -> torch.Tensor:
-    """im2col of ``x`` (N, C, H, W) as (C*kh*kw, N*L): ATen's unfold, which only copies."""
-    stride, padding, dilation = conv
-    cols = torch.nn.functional.unfold(x, tuple(weight.shape[2:]), *(dilation, padding, stride))
-    return cols.transpose(0, 1).reshape(cols.shape[1], -1)
+def _geometry(x: torch.Tensor, weight: torch.Tensor, conv: Sequence[Any]) -> list[tuple[int, ...]]:
+    """Per spatial dim: (kernel, stride, padding, dilation, output size)."""
+    stride, padding, dilation = conv[:3]
+    dims = []
+    for d in (0, 1):
+        k, s, p, dil = weight.shape[2 + d], stride[d], padding[d], dilation[d]
+        dims.append((k, s, p, dil, (x.shape[2 + d] + 2 * p - dil * (k - 1) - 1) // s + 1))
+    return dims
+
+
+def _columns(x: torch.Tensor, weight: torch.Tensor, conv: Sequence[Any]) -> torch.Tensor:
+    """im2col of ``x`` (N, C, H, W) as (C*kh*kw, N*Ho*Wo): one strided copy, no arithmetic."""
+    (kh, sh, ph, dh, ho), (kw, sw, pw, dw, wo) = _geometry(x, weight, conv)
+    padded = torch.nn.functional.pad(x, (pw, pw, ph, ph)).contiguous()
+    n, c, hp, wp = padded.shape
+    view = padded.as_strided(
+        (c, kh, kw, n, ho, wo),
+        (hp * wp, dh * wp, dw, c * hp * wp, sh * wp, sw),
+    )
+    return view.reshape(c * kh * kw, n * ho * wo)
+
+
+def _image(
+    cols: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, conv: Sequence[Any]
+) -> torch.Tensor:
+    """col2im: the (C*kh*kw, N*Ho*Wo) gradient of the columns added back into (N, C, H, W),
+    one kernel offset after another (each an elementwise add: the same rounding anywhere)."""
+    (kh, sh, ph, dh, ho), (kw, sw, pw, dw, wo) = _geometry(x, weight, conv)
+    n, c, height, width = x.shape
+    padded = torch.zeros((n, c, height + 2 * ph, width + 2 * pw), dtype=cols.dtype)
+    parts = cols.view(c, kh, kw, n, ho, wo)
+    for i in range(kh):
+        for j in range(kw):
+            rows = slice(i * dh, i * dh + sh * (ho - 1) + 1, sh)
+            columns = slice(j * dw, j * dw + sw * (wo - 1) + 1, sw)
+            padded[:, :, rows, columns] += parts[:, i, j].transpose(0, 1)
+    return padded[:, :, ph : ph + height, pw : pw + width].contiguous()
 
 
 def _convolution(
@@ -238,17 +270,13 @@ def _convolution(
     bias: torch.Tensor | None,
     *conv: Any,
 ) -> torch.Tensor:
-    stride, padding, dilation, transposed, _output_padding, groups = conv
+    transposed, groups = conv[3], conv[5]  # conv: stride, padding, dilation, transposed, _, groups
     if not _plain_2d(x, weight, transposed, groups):
         return _torchs_kernel("convolution", x, weight, bias, *conv)
-    size = [
-        (x.shape[2 + d] + 2 * padding[d] - dilation[d] * (weight.shape[2 + d] - 1) - 1) // stride[d]
-        + 1
-        for d in (0, 1)
-    ]
-    matrix, cols = weight.reshape(weight.shape[0], -1), _columns(x, weight, conv[:3])
+    (*_, ho), (*_, wo) = _geometry(x, weight, conv)
+    matrix, cols = weight.reshape(weight.shape[0], -1), _columns(x, weight, conv)
     out = _mm(matrix, cols) if bias is None else _addmm(bias[:, None], matrix, cols)
-    return out.reshape(weight.shape[0], x.shape[0], *size).transpose(0, 1).contiguous()
+    return out.view(weight.shape[0], x.shape[0], ho, wo).transpose(0, 1).contiguous()
 
 
 def _convolution_backward(
@@ -258,19 +286,16 @@ def _convolution_backward(
     bias_sizes: Sequence[int] | None,
     *conv: Any,
 ) -> tuple[torch.Tensor | None, ...]:
-    stride, padding, dilation, transposed, _output_padding, groups, mask = conv
+    transposed, groups, mask = conv[3], conv[5], conv[6]  # as convolution's, then output_mask
     if not _plain_2d(x, weight, transposed, groups) or not _pinned(grad, x):
         return _torchs_kernel("convolution_backward", grad, x, weight, bias_sizes, *conv)
-    grad_rows = grad.transpose(0, 1).reshape(weight.shape[0], -1)  # (O, N*L)
+    grad_rows = grad.transpose(0, 1).reshape(weight.shape[0], -1)  # (O, N*Ho*Wo)
     grad_input = grad_weight = grad_bias = None
     if mask[0]:
-        cols = _mm(weight.reshape(weight.shape[0], -1).t(), grad_rows)  # (C*kh*kw, N*L)
-        cols = cols.reshape(cols.shape[0], x.shape[0], -1).transpose(0, 1)
-        grad_input = torch.nn.functional.fold(
-            cols, tuple(x.shape[2:]), tuple(weight.shape[2:]), *(dilation, padding, stride)
-        )
+        cols = _mm(weight.reshape(weight.shape[0], -1).t(), grad_rows)  # (C*kh*kw, N*Ho*Wo)
+        grad_input = _image(cols, x, weight, conv)
     if mask[1]:
-        grad_weight = _mm(grad_rows, _columns(x, weight, conv[:3]).t()).reshape(weight.shape)
+        grad_weight = _mm(grad_rows, _columns(x, weight, conv).t()).reshape(weight.shape)
     if mask[2]:
         grad_bias = grad_rows.sum(1)
     return grad_input, grad_weight, grad_bias
