@@ -36,8 +36,12 @@ a smaller batch keeps a round near two minutes on 2 cores; all of it, both
 sizes, took about 15 minutes there). Block 64 tokens, dropout 0.1, AdamW, as
 the recipe.
 
+``--portable-threads N`` adds a fourth way, ``portable-Nt``: the portable stage at
+``cpu.threads: N``, printed as its ratio to ``portable`` at one thread (issue 43:
+two threads must beat one on a 2-core host).
+
     .venv/bin/python benchmarks/vs_lightning.py [--sizes 1m 20m] [--rounds 5]
-        [--steps 8] [--warmup 2] [--json PATH]
+        [--steps 8] [--warmup 2] [--portable-threads N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--json", type=Path, help="also write the figures here, as JSON")
+    parser.add_argument("--portable-threads", type=int, help="also time portable at N threads")
     parser.add_argument("--worker", nargs=2, metavar=("WAY", "SIZE"), help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.worker:
@@ -85,20 +90,32 @@ def main() -> None:
         print(json.dumps({"step_s": times, "parameters": parameters}))
         return
 
-    print(f"CPU: {cpu_model()} ({platform.machine()}), one intra-op thread")
+    more = f" (portable-{cli.portable_threads}t: {cli.portable_threads})" * bool(
+        cli.portable_threads
+    )
+    print(f"CPU: {cpu_model()} ({platform.machine()}), one intra-op thread{more}")
     report: dict[str, Any] = {"cpu": cpu_model(), "rounds": cli.rounds, "steps": cli.steps}
+    ways = (*WAYS, f"portable-{cli.portable_threads}t") if cli.portable_threads else WAYS
     for size in cli.sizes:
-        report[size] = measure(size, cli.rounds, cli.warmup, cli.steps)
+        report[size] = measure(size, cli.rounds, cli.warmup, cli.steps, ways)
     if cli.json:
         atomic_write_text(cli.json, canonical_json(report))
 
 
-def measure(size: str, rounds: int, warmup: int, steps: int) -> dict[str, Any]:
-    """Interleaved runs of the three ways at one size; their medians and ratios, printed."""
-    medians: dict[str, list[float]] = {way: [] for way in WAYS}
+def way_profile(way: str) -> tuple[str, int]:
+    """A stage way's CPU profile and thread count: ``portable-2t`` is portable at 2 threads."""
+    profile, _, threads = way.partition("-")
+    return profile, int(threads.removesuffix("t") or 1)
+
+
+def measure(
+    size: str, rounds: int, warmup: int, steps: int, ways: tuple[str, ...] = WAYS
+) -> dict[str, Any]:
+    """Interleaved runs of the ways at one size; their medians and ratios, printed."""
+    medians: dict[str, list[float]] = {way: [] for way in ways}
     parameters = 0
     for turn in range(rounds):
-        order = WAYS[turn % len(WAYS) :] + WAYS[: turn % len(WAYS)]
+        order = ways[turn % len(ways) :] + ways[: turn % len(ways)]
         for way in order:
             result = run_worker(way, size, warmup, steps)
             medians[way].append(statistics.median(result["step_s"]))
@@ -111,7 +128,7 @@ def measure(size: str, rounds: int, warmup: int, steps: int) -> dict[str, Any]:
     )
     base = statistics.median(medians["lightning"])
     figures: dict[str, Any] = {"parameters": parameters, "median_step_s": {}, "ratio": {}}
-    for way in WAYS:
+    for way in ways:
         step = statistics.median(medians[way])
         figures["median_step_s"][way] = step
         runs = ", ".join(f"{m * 1e3:.0f}" for m in medians[way])
@@ -126,6 +143,10 @@ def measure(size: str, rounds: int, warmup: int, steps: int) -> dict[str, Any]:
                 f"  x{ratio:.3f} plain Lightning (95% CI {low:.3f}..{high:.3f}; goal "
                 f"<= {GOALS[way]}: {verdict})"
             )
+        if way not in WAYS:  # portable at N threads, against portable at one
+            ratio = step / statistics.median(medians["portable"])
+            figures["ratio"][way] = {"vs_portable_1_thread": ratio}
+            line += f"  x{ratio:.3f} portable at 1 thread"
         print(f"{line}  | rounds (ms): {runs}")
     figures["rounds_median_step_s"] = medians
     return figures
@@ -136,7 +157,8 @@ def run_worker(way: str, size: str, warmup: int, steps: int) -> dict[str, Any]:
     env = {key: value for key, value in os.environ.items() if key not in profile_variables()}
     env["PYTHONHASHSEED"] = "0"
     if way != "lightning":
-        env.update(CpuProfile(way, threads=1).variables())
+        profile, threads = way_profile(way)
+        env.update(CpuProfile(profile, threads=threads).variables())
     argv = [sys.executable, __file__, "--worker", way, size]
     argv += ["--warmup", str(warmup), "--steps", str(steps)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
@@ -235,7 +257,9 @@ def stage(profile: str, spec: dict[str, int], warmup: int, steps: int) -> tuple[
         return fitted
 
     training.fit = timed_fit
-    with train_workspace(workload_params("lm", overrides(spec, profile))) as (args, params):
+    profile, threads = way_profile(profile)
+    changes = [*overrides(spec, profile), f"cpu.threads={threads}"]
+    with train_workspace(workload_params("lm", changes)) as (args, params):
         args.trace = args.model.with_name("trace.safetensors")  # trace on, as dvc.yaml has it
         train.run(params, args)
     return timer.times[warmup:], parameters[0]
