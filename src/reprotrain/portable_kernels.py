@@ -7,12 +7,12 @@ two families of kernels that torch hands to MKL do not, and :func:`enable`
 replaces them on the CPU dispatch key through ``torch.library``:
 
 * **Matrix products** (``mm``, ``addmm``, ``bmm``, ``baddbmm``) and 2-D
-  convolutions (``convolution`` and its backward, as ATen's ``unfold`` /
-  ``fold`` around the same GEMM: ATen's own slow path calls MKL per sample,
-  through a kernel stub no library can replace): one OpenBLAS build from the
-  lock (``scipy-openblas32``, pinned exactly) with its Haswell kernels forced
-  (``OPENBLAS_CORETYPE=Haswell``: AVX2 + FMA, fixed blocking), called with one
-  OpenBLAS thread. The product is cut into fixed blocks of
+  convolutions (``convolution`` and its backward: im2col as one strided copy,
+  col2im as one add per kernel offset, around the same GEMM; ATen's own slow
+  path calls MKL per sample, through a kernel stub no library can replace):
+  one OpenBLAS build from the lock (``scipy-openblas32``, pinned exactly) with
+  its Haswell kernels forced (``OPENBLAS_CORETYPE=Haswell``: AVX2 + FMA, fixed
+  blocking), called with one OpenBLAS thread. The product is cut into fixed blocks of
   :data:`~reprotrain.cpuprofile.ROW_BLOCK` output rows (one block per matrix
   of a batch at least), each computed by one call in one thread; ``threads``
   Python threads share the blocks. So the bits follow neither the host's cores
