@@ -413,8 +413,9 @@ def test_a_planted_fault_is_found_at_its_op_and_line(tmp_path: Path, fault: str)
     report = _verify(tmp_path, fault, *options)
     assert not report["identical"]
     # Unwritten memory may hold the same bytes in both runs at the recorded step (memory
-    # fresh from the system is zeros): as verify then says, record the next step.
-    for step in range(1, 4) if fault == "empty" else ():
+    # fresh from the system is zeros), and a racing kernel may happen to add in the same
+    # order at that step (seen on a busy 2-core host): as verify then says, record the next.
+    for step in range(1, 4) if fault in ("empty", "catalog") else ():
         if report.get("op", {}).get("kind", "identical") != "identical":
             break
         (tmp_path / f"step{step}").mkdir()
