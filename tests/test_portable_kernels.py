@@ -51,6 +51,7 @@ def _products(seed: int = 0) -> list[torch.Tensor]:
     q = torch.randn(6, 140, 16, generator=g, requires_grad=True)
     attention = torch.softmax(q @ q.transpose(1, 2), -1) @ q
     out += [attention, torch.baddbmm(q[:, :, :3], q, q.transpose(1, 2)[:, :, :3])]
+    out.append(q @ torch.randn(16, 5, generator=g).expand(6, 16, 5))  # one matrix for all
     out.append(torch.autograd.grad(attention.square().sum(), q)[0])
     conv = torch.nn.Conv2d(3, 8, 5, stride=2, padding=1)
     x = torch.randn(4, 3, 28, 28, generator=g, requires_grad=True)
@@ -92,6 +93,22 @@ def test_the_thread_count_leaves_the_products_bits_alone() -> None:
         torch.backends.mkldnn.enabled = True
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
+
+
+def test_matrices_called_one_at_a_time_give_the_bits_of_one_batched_call(
+    routed: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batched = _products()
+    monkeypatch.setattr(portable_kernels, "_INT_MAX", 0)  # as for matrices 2**31 apart
+    alone = _products()
+    assert all(torch.equal(a, b) for a, b in zip(batched, alone, strict=True))
+
+
+def test_another_row_block_gives_other_bits(routed: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why the block is fixed (and in the record): OpenBLAS's bits follow a call's shape."""
+    blocked = _products()
+    monkeypatch.setattr(portable_kernels, "ROW_BLOCK", 64)
+    assert not torch.equal(blocked[0], _products()[0])  # 300 rows: 3 blocks, now 5
 
 
 def test_other_inputs_give_other_products(routed: None) -> None:

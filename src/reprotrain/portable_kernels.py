@@ -54,6 +54,7 @@ from reprotrain.cpuprofile import OPENBLAS_VARIABLES, ROUTED, ROW_BLOCK
 #: The OpenBLAS core type whose kernels every host runs (needs AVX2 and FMA).
 CORETYPE = OPENBLAS_VARIABLES["OPENBLAS_CORETYPE"]
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+_INT_MAX = 2**31 - 1
 _state: dict[str, Any] = {"library": None, "pool": None, "pool_pid": 0, "threads": 1}
 #: torch's own CPU kernels of the routed ops, for what the pinned ones do not take.
 _torchs: dict[str, Any] = {}
@@ -94,67 +95,102 @@ def _load_blas() -> Any:
         blas.scipy_openblas_set_num_threads(1)
         c_int, c_ptr = ctypes.c_int, ctypes.c_void_p
         for name, real in (
-            ("scipy_cblas_sgemm", ctypes.c_float),
-            ("scipy_cblas_dgemm", ctypes.c_double),
+            ("scipy_cblas_sgemm_batch_strided", ctypes.c_float),
+            ("scipy_cblas_dgemm_batch_strided", ctypes.c_double),
         ):
             fn = getattr(blas, name)
             fn.restype = None
-            fn.argtypes = [c_int] * 6 + [real, c_ptr, c_int, c_ptr, c_int, real, c_ptr, c_int]
+            fn.argtypes = [c_int] * 6 + [real, *[c_ptr, c_int, c_int] * 2, real, c_ptr, c_int]
+            fn.argtypes += [c_int, c_int]
         _state["blas"] = blas
         return blas
 
 
 def _operand(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """``x`` (2-D) as a row-major BLAS operand: (tensor, transpose flag, leading dimension)."""
-    rows, cols = x.shape
-    if x.stride(1) == 1 and x.stride(0) >= max(1, cols):
-        return x, _NO_TRANS, x.stride(0)
-    if x.stride(0) == 1 and x.stride(1) >= max(1, rows):
-        return x, _TRANS, x.stride(1)
+    """``x`` (3-D: matrices) as a row-major BLAS operand: (tensor, transpose flag, leading
+    dimension); each matrix is laid out alike, so one flag and dimension hold for all."""
+    rows, cols = x.shape[1:]
+    if x.stride(2) == 1 and x.stride(1) >= max(1, cols):
+        return x, _NO_TRANS, x.stride(1)
+    if x.stride(1) == 1 and x.stride(2) >= max(1, rows):
+        return x, _TRANS, x.stride(2)
     x = x.contiguous()
     return x, _NO_TRANS, max(1, cols)
 
 
-def _blocks(
+def _calls(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float
 ) -> list[Callable[[], None]]:
-    """One call per block of ROW_BLOCK rows of ``c = alpha * a @ b + beta * c`` (c contiguous)."""
+    """The calls making ``c[i] = alpha * a[i] @ b[i] + beta * c[i]`` (3-D, ``c`` contiguous).
+
+    One OpenBLAS strided-batch call per block of ROW_BLOCK output rows and share of the
+    matrices (``threads`` shares). Each matrix's block is computed as one GEMM of that
+    many rows would compute it, whichever call or share holds it: the bits follow the
+    blocks alone (a block of other rows gives other bits: tested).
+    """
     blas = _state["blas"]
-    gemm = blas.scipy_cblas_sgemm if c.dtype == torch.float32 else blas.scipy_cblas_dgemm
+    fp32 = c.dtype == torch.float32
+    gemm = blas.scipy_cblas_sgemm_batch_strided if fp32 else blas.scipy_cblas_dgemm_batch_strided
     a, trans_a, lda = _operand(a)
     b, trans_b, ldb = _operand(b)
-    m, n, k = c.shape[0], c.shape[1], a.shape[1]
-    size, row = a.element_size(), a.stride(0)  # logical rows, whichever way A is stored
+    count, m, n, k = c.shape[0], c.shape[1], c.shape[2], a.shape[2]
+    size, row = a.element_size(), a.stride(1)  # logical rows, whichever way A is stored
+    strides = (a.stride(0), b.stride(0), c.stride(0))
+    # BLAS takes 32-bit strides: matrices further apart are called one at a time.
+    per_call = -(-count // _state["threads"]) if max(strides) <= _INT_MAX else 1
+    stride_a, stride_b, stride_c = strides if per_call > 1 else (0, 0, 0)
 
-    def block(start: int) -> Callable[[], None]:
+    def call(first: int, matrices: int, start: int) -> Callable[[], None]:
         # a, b and c are read when the call runs, so a copied operand lives until then
         rows = min(ROW_BLOCK, m - start)
         return lambda: gemm(
             *(_ROW_MAJOR, trans_a, trans_b, rows, n, k, alpha),
-            *(a.data_ptr() + start * row * size, lda, b.data_ptr(), ldb, beta),
-            *(c.data_ptr() + start * n * size, n),
+            *(a.data_ptr() + (first * strides[0] + start * row) * size, lda, stride_a),
+            *(b.data_ptr() + first * strides[1] * size, ldb, stride_b, beta),
+            *(c.data_ptr() + (first * strides[2] + start * n) * size, n, stride_c, matrices),
         )
 
-    return [block(start) for start in range(0, m, ROW_BLOCK)]
+    return [
+        call(first, min(per_call, count - first), start)
+        for start in range(0, m, ROW_BLOCK)
+        for first in range(0, count, per_call)
+    ]
 
 
 def _pool() -> ThreadPoolExecutor | None:
-    """The block threads of this process; a forked child (a DataLoader worker) makes its own."""
+    """The helper threads of this process (``threads - 1``: the caller computes a share too);
+    a forked child (a DataLoader worker) makes its own."""
     threads, pool = _state["threads"], _state["pool"]
     if threads > 1 and (pool is None or _state["pool_pid"] != os.getpid()):
-        pool = _state["pool"] = ThreadPoolExecutor(threads, "reprotrain-gemm")
+        pool = _state["pool"] = ThreadPoolExecutor(threads - 1, "reprotrain-gemm")
         _state["pool_pid"] = os.getpid()
     return pool if threads > 1 else None
 
 
+def _serially(calls: Sequence[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
+
+
 def _run(calls: Sequence[Callable[[], None]]) -> None:
+    """Make every call: ``threads`` contiguous shares, one of them in the calling thread.
+
+    One task per helper thread, not one per block: a task per 128-row block cost
+    more in hand-offs than the second core gave (2 threads ran slower than one,
+    issue 43). Which thread makes a call never changes its bits.
+    """
     pool = _pool()
     if pool is None or len(calls) == 1:
-        for call in calls:
-            call()
+        _serially(calls)
         return
-    for future in [pool.submit(call) for call in calls]:
-        future.result()
+    share = -(-len(calls) // _state["threads"])
+    shares = [calls[start : start + share] for start in range(0, len(calls), share)]
+    helped = [pool.submit(_serially, part) for part in shares[1:]]
+    try:
+        _serially(shares[0])
+    finally:  # the helpers write into tensors the caller owns: wait for them, even on error
+        for future in helped:
+            future.result()
 
 
 def _batched(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> None:
@@ -164,7 +200,7 @@ def _batched(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, be
     if a.shape[-1] == 0:  # an empty sum: BLAS would not touch C
         c.mul_(beta) if beta != 0 else c.zero_()
         return
-    _run([call for i in range(c.shape[0]) for call in _blocks(a[i], b[i], c[i], alpha, beta)])
+    _run(_calls(a, b, c, alpha, beta))
 
 
 def _pinned(*tensors: torch.Tensor | None) -> bool:
@@ -347,7 +383,3 @@ def disable() -> None:
     if _state["library"] is not None:
         _state["library"]._destroy()
         _state["library"] = None
-
-
-def enabled() -> bool:
-    return _state["library"] is not None
