@@ -86,6 +86,15 @@ def test_the_thread_count_reaches_the_training_process(
     assert runtime["cpu_capability"] == "AVX2"
 
 
+def test_openmp_sleeps_between_regions_only_under_portable_above_one_thread() -> None:
+    paced = CpuProfile("portable", 2)
+    assert paced.pacing() == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert not CpuProfile("portable", 1).pacing() and not CpuProfile("native", 2).pacing()
+    # speed alone: never a pin (so an exported value is no contradiction) nor in the record
+    assert "OMP_WAIT_POLICY" not in {**paced.variables(), **paced.record()["pins"]}
+    assert not paced.contradictions({"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "2"})
+
+
 def test_a_contradicting_variable_is_refused_with_one_line(tmp_path: Path) -> None:
     out = tmp_path / "environment.json"
     refused = run_cli("env", "--lock", LOCK, "--out", out, cwd=ROOT, ATEN_CPU_CAPABILITY="avx512")

@@ -103,6 +103,17 @@ class CpuProfile:
             pinned.update(OPENBLAS_VARIABLES)
         return pinned
 
+    def pacing(self) -> dict[str, str]:
+        """Variables that change the speed alone, never the bits: set at start unless exported.
+
+        Not in :meth:`variables` (nor the record): an exported value is the user's choice,
+        not a contradiction. Under ``portable`` at more than one thread, ATen's OpenMP
+        threads sleep between parallel regions instead of spinning: spinning, they took
+        the cores the routed GEMM's threads need, and two threads ran no faster than one
+        (``benchmarks/portable_threads.py``).
+        """
+        return {"OMP_WAIT_POLICY": "PASSIVE"} if self.portable and self.threads > 1 else {}
+
     def contradictions(self, environ: Mapping[str, str] = os.environ) -> list[str]:
         """Exported variables that disagree with the profile, each as ``NAME=value (needs X)``."""
         return [
