@@ -340,6 +340,20 @@ def test_run_fixes_the_hash_seed_and_cublas_before_the_command_starts(tmp_path: 
     assert missing.returncode == 2 and "put it after `--`" in missing.stderr
 
 
+def test_run_under_portable_above_one_thread_paces_openmp_unless_exported(tmp_path: Path) -> None:
+    code = "import os; print(os.environ.get('OMP_WAIT_POLICY', 'unset'))"
+
+    def policy(threads: str, **env: str) -> str:
+        argv = ("run", "--cpu-profile", "portable", "--threads", threads)
+        done = run_cli(*argv, "--", sys.executable, "-c", code, cwd=tmp_path, **env)
+        assert done.returncode == 0 and not done.stderr, done.stderr
+        return done.stdout.strip()
+
+    assert policy("2") == "PASSIVE"
+    assert policy("2", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"  # the user's, without a warning
+    assert policy("1") == "unset"  # one thread: nothing to pace
+
+
 def test_verify_of_a_command_starts_it_without_the_pipelines_cpu_profile(tmp_path: Path) -> None:
     # run from the repository root, where params.yaml pins a CPU profile for the pipeline
     code = "import os, sys; open(sys.argv[1] + '/env', 'w').write(repr(sorted(os.environ)))"

@@ -76,14 +76,18 @@ def command_of(args: argparse.Namespace, verb: str) -> list[str]:
 
 
 def launch_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` with the launch variables in place; warns about each exported one replaced."""
+    """``environ`` with the launch variables in place; warns about each exported one replaced.
+
+    A CPU profile's pacing (speed alone) goes in too where ``environ`` lacks it.
+    """
     fixed = launch_variables(args.cpu_profile, args.threads)
     for name, value in fixed.items():
         if name in environ and environ[name] != value:
             print(
                 f"reprotrain: warning: {name}={environ[name]} replaced by {value}", file=sys.stderr
             )
-    return {**environ, **fixed}
+    paced = CpuProfile(args.cpu_profile, args.threads).pacing() if args.cpu_profile else {}
+    return {**paced, **environ, **fixed}
 
 
 def run(_: object, args: argparse.Namespace) -> int:
