@@ -38,7 +38,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     profile = CpuProfile("portable", 2)
-    for name, value in {} if args.spin else profile.pacing().items():  # as the stage starts
+    for name, value in ({} if args.spin else profile.pacing()).items():  # as the stage starts
         os.environ.setdefault(name, value)
     reexec_with_fixed_hash_seed(profile.variables())
     import torch

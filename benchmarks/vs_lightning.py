@@ -157,9 +157,8 @@ def run_worker(way: str, size: str, warmup: int, steps: int) -> dict[str, Any]:
     env = {key: value for key, value in os.environ.items() if key not in profile_variables()}
     env["PYTHONHASHSEED"] = "0"
     if way != "lightning":
-        profile, threads = way_profile(way)
-        env.update(CpuProfile(profile, threads=threads).variables())
-        env = {**CpuProfile(profile, threads=threads).pacing(), **env}  # as the stage starts
+        cpu = CpuProfile(*way_profile(way))
+        env = {**cpu.pacing(), **env, **cpu.variables()}  # as the stage starts
     argv = [sys.executable, __file__, "--worker", way, size]
     argv += ["--warmup", str(warmup), "--steps", str(steps)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
