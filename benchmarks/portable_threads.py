@@ -5,20 +5,21 @@ n_head 4, n_embd 144, batch 32 x 64 tokens, AdamW) in one process under the
 portable profile's kernels, four ways, alternating in every round: the routed
 GEMM's threads (``portable_kernels.enable(N)``) at 1 or 2, and ATen's own
 intra-op threads (``torch.set_num_threads``) at 1 or 2. ``cpu.threads: 2`` is
-the way ``gemm 2, aten 2``. Prints each way's median step over the rounds'
-medians and its ratio to ``gemm 1, aten 1``. Restarts itself under the portable
-profile's variables at 2 threads, as ``kernel_bits.py`` does, with its pacing
-(``CpuProfile.pacing``: ATen's OpenMP threads sleep between regions);
-``--spin`` leaves ``OMP_WAIT_POLICY`` unset (OpenMP's default: spin a while
-after each region), as before the pacing. Run from the repository root::
+the way ``gemm 2, aten 1`` (``CpuProfile.aten_threads``: ATen stays on one
+thread under portable, so that the bits do not follow the thread count); the
+``aten 2`` ways show what ATen's second thread would add. Prints each way's
+median step over the rounds' medians and its ratio to ``gemm 1, aten 1``.
+Restarts itself under the portable profile's variables at 2 threads, as
+``kernel_bits.py`` does (``OMP_WAIT_POLICY`` as exported: OpenMP's default
+spins a while after each region; ``OMP_WAIT_POLICY=PASSIVE`` in front of the
+command makes ATen's threads sleep instead). Run from the repository root::
 
-    .venv/bin/python benchmarks/portable_threads.py [--rounds 4] [--steps 6] [--spin]
+    .venv/bin/python benchmarks/portable_threads.py [--rounds 4] [--steps 6]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -33,14 +34,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per way and round")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument(
-        "--spin", action="store_true", help="leave OMP_WAIT_POLICY unset (threads spin)"
-    )
     args = parser.parse_args()
-    profile = CpuProfile("portable", 2)
-    for name, value in ({} if args.spin else profile.pacing()).items():  # as the stage starts
-        os.environ.setdefault(name, value)
-    reexec_with_fixed_hash_seed(profile.variables())
+    reexec_with_fixed_hash_seed(CpuProfile("portable", 2).variables())
     import torch
 
     from reprotrain import portable_kernels

@@ -158,7 +158,7 @@ def run_worker(way: str, size: str, warmup: int, steps: int) -> dict[str, Any]:
     env["PYTHONHASHSEED"] = "0"
     if way != "lightning":
         cpu = CpuProfile(*way_profile(way))
-        env = {**cpu.pacing(), **env, **cpu.variables()}  # as the stage starts
+        env = {**env, **cpu.variables()}  # as the stage starts
     argv = [sys.executable, __file__, "--worker", way, size]
     argv += ["--warmup", str(warmup), "--steps", str(steps)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)

@@ -47,12 +47,23 @@ def _train(prepared: Path, env: Path, out: Path, *extra: str, **variables: str) 
     return tuple(sha256_state_dict(load_safetensors(f)[0]) for f in files)
 
 
+def _threads(out: Path) -> tuple[int, int]:
+    """ATen's intra-op and inter-op threads in a training run (its run.json)."""
+    runtime = json.loads((out / "run.json").read_text())["inputs"]["torch_runtime"]
+    return runtime["num_threads"], runtime["num_interop_threads"]
+
+
+#: The runs at cpu.threads: 2, by their folder.
+TWO = {"portable, 2 threads": "p2", "native, 2 threads": "n2"}
+
+
 @pytest.fixture(scope="module")
 def runs(prepared: Path, env_record: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     work = tmp_path_factory.mktemp("profiles")
     warn = ("--deterministic", "warn")
     native = ("-S", "cpu.profile=native")
-    return {
+    two = ("-S", "cpu.threads=2")
+    out = {
         "portable": _train(prepared, env_record, work / "p"),
         "portable, old CPU": _train(
             prepared, env_record, work / "p-old", *warn, **OLD_CPU, **OLD_ATEN
@@ -61,7 +72,14 @@ def runs(prepared: Path, env_record: Path, tmp_path_factory: pytest.TempPathFact
         "native": _train(prepared, env_record, work / "n", *native),
         "native, old oneDNN": _train(prepared, env_record, work / "n-old", *native, **OLD_CPU),
         "native, old ATen": _train(prepared, env_record, work / "n-aten", *native, **OLD_ATEN),
+        # cpu.threads: 2 (make test exports OMP_NUM_THREADS=1, which native at 2 contradicts)
+        "portable, 2 threads": _train(prepared, env_record, work / "p2", *two),
+        "native, 2 threads": _train(
+            prepared, env_record, work / "n2", *native, *two, OMP_NUM_THREADS="2"
+        ),
     }
+    out["threads"] = {name: _threads(work / folder) for name, folder in TWO.items()}
+    return out
 
 
 def test_portable_gives_the_same_bits_whatever_the_cpu_dispatches(runs: dict) -> None:
@@ -76,23 +94,25 @@ def test_native_follows_the_cpu_dispatch(runs: dict) -> None:
     assert runs["native"] != runs["portable"]
 
 
-def test_the_thread_count_reaches_the_training_process(
-    prepared: Path, env_record: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "t2"
-    _train(prepared, env_record, out, "-S", "cpu.threads=2", OMP_NUM_THREADS="2")
-    runtime = json.loads((out / "run.json").read_text())["inputs"]["torch_runtime"]
-    assert (runtime["num_threads"], runtime["num_interop_threads"]) == (2, 1)
-    assert runtime["cpu_capability"] == "AVX2"
+def test_portable_gives_the_same_bits_at_any_thread_count(runs: dict) -> None:
+    """cpu.threads under portable: the GEMM's threads share fixed blocks; ATen runs on one."""
+    assert runs["portable, 2 threads"] == runs["portable"]
+    assert runs["threads"]["portable, 2 threads"] == (1, 1)  # ATen's intra-op, inter-op
 
 
-def test_openmp_sleeps_between_regions_only_under_portable_above_one_thread() -> None:
-    paced = CpuProfile("portable", 2)
-    assert paced.pacing() == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert not CpuProfile("portable", 1).pacing() and not CpuProfile("native", 2).pacing()
-    # speed alone: never a pin (so an exported value is no contradiction) nor in the record
-    assert "OMP_WAIT_POLICY" not in {**paced.variables(), **paced.record()["pins"]}
-    assert not paced.contradictions({"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "2"})
+def test_native_at_two_threads_trains_other_bits_than_at_one(runs: dict) -> None:
+    """Negative control: native's threads are ATen's, and its reductions split by them."""
+    assert runs["threads"]["native, 2 threads"] == (2, 1)
+    assert runs["native, 2 threads"] != runs["native"]
+
+
+def test_the_thread_count_leaves_the_record_only_under_portable() -> None:
+    one, two = CpuProfile("portable", 1), CpuProfile("portable", 2)
+    assert one.record() == two.record() and "threads" not in two.record()
+    assert two.variables()["OMP_NUM_THREADS"] == two.variables()["MKL_NUM_THREADS"] == "1"
+    native = CpuProfile("native", 2)
+    assert native.record()["threads"] == 2 and native.variables()["OMP_NUM_THREADS"] == "2"
+    assert native.record() != CpuProfile("native", 1).record()
 
 
 def test_a_contradicting_variable_is_refused_with_one_line(tmp_path: Path) -> None:
@@ -163,6 +183,19 @@ def test_dvc_repro_on_another_cpu_family_is_a_cache_hit(repo_copy: Path) -> None
     assert run_checked("git", "status", "--porcelain", cwd=repo_copy) == ""
     host = json.loads((repo_copy / "reports" / "host.json").read_text())
     assert host["cpu"]["model"].startswith("Intel")
+    # Under portable cpu.threads decides the speed alone: another count is a cache hit too,
+    # and only params.yaml and the env stage's params in dvc.lock change.
+    params = repo_copy / "params.yaml"
+    assert params.read_text().count("  threads: 1\n") == 1
+    params.write_text(params.read_text().replace("  threads: 1\n", "  threads: 2\n"))
+    out = run_checked("dvc", "repro", cwd=repo_copy)
+    assert "Running stage 'train'" not in out and "Running stage 'prepare'" not in out
+    changed = run_checked("git", "status", "--porcelain", cwd=repo_copy).split()
+    assert sorted(changed[1::2]) == ["dvc.lock", "params.yaml"], changed
+    lock = run_checked("git", "diff", "-U0", "dvc.lock", cwd=repo_copy)
+    assert [line.split() for line in lock.splitlines() if line.startswith("+ ")] == [
+        ["+", "threads:", "2"]
+    ]
 
 
 _EMULATION_PROBE = """

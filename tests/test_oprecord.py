@@ -340,18 +340,18 @@ def test_run_fixes_the_hash_seed_and_cublas_before_the_command_starts(tmp_path: 
     assert missing.returncode == 2 and "put it after `--`" in missing.stderr
 
 
-def test_run_under_portable_above_one_thread_paces_openmp_unless_exported(tmp_path: Path) -> None:
-    code = "import os; print(os.environ.get('OMP_WAIT_POLICY', 'unset'))"
+def test_run_at_two_threads_pins_atens_threads_to_one_only_under_portable(tmp_path: Path) -> None:
+    code = "import os; print(os.environ['OMP_NUM_THREADS'], os.environ['MKL_NUM_THREADS'])"
 
-    def policy(threads: str, **env: str) -> str:
-        argv = ("run", "--cpu-profile", "portable", "--threads", threads)
-        done = run_cli(*argv, "--", sys.executable, "-c", code, cwd=tmp_path, **env)
-        assert done.returncode == 0 and "OMP_WAIT_POLICY" not in done.stderr, done.stderr
-        return done.stdout.strip()
+    def aten_threads(profile: str) -> list[str]:
+        argv = ("run", "--cpu-profile", profile, "--threads", "2")
+        done = run_cli(*argv, "--", sys.executable, "-c", code, cwd=tmp_path, OMP_NUM_THREADS="2")
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
 
-    assert policy("2") == "PASSIVE"
-    assert policy("2", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"  # the user's, without a warning
-    assert policy("1") == "unset"  # one thread: nothing to pace
+    # portable: the 2 threads share the routed GEMM's blocks; ATen's kernels run on one
+    assert aten_threads("portable") == ["1", "1"]
+    assert aten_threads("native") == ["2", "2"]  # control: native's threads are ATen's
 
 
 def test_verify_of_a_command_starts_it_without_the_pipelines_cpu_profile(tmp_path: Path) -> None:

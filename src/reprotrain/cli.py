@@ -202,8 +202,6 @@ def _restart_for_determinism(args: argparse.Namespace) -> None:
             f"{profile.threads} ({path}); unset it, or change cpu.profile / cpu.threads"
         )
         refuse_or_warn(params.deterministic, f"{message} (overriding them)")
-    for name, value in profile.pacing().items():  # read when OpenMP loads: with torch, later
-        os.environ.setdefault(name, value)
     reexec_with_fixed_hash_seed(profile.variables())
 
 

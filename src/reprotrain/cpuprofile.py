@@ -26,12 +26,19 @@ on which x86-64 CPU runs the job:
       level (``OPENBLAS_CORETYPE``) in fixed blocks, and dropout's mask on ATen's
       generator on every vendor (torch draws it with MKL on Intel CPUs only). So
       a training step of the shipped recipes makes no MKL call at all.
-    * ``threads`` intra-op threads (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``) and
-      one inter-op thread: the split of a reduction follows the thread count.
+    * ``threads`` threads share the routed GEMM's fixed blocks, while ATen's own
+      kernels run on one intra-op thread (``OMP_NUM_THREADS=1``,
+      ``MKL_NUM_THREADS=1``) and one inter-op thread. A reduction that ATen split
+      across threads would add in an order that follows the thread count; a block
+      is computed the same way by whichever thread takes it. So ``threads``
+      changes the speed alone and is not in the record: runs at 1 and at 2
+      threads are one cache entry and one run ID (tested). On 2 cores the GEMM's
+      second thread gained more than ATen's (``benchmarks/portable_threads.py``).
 
 ``native``
-    The host's own kernels (fastest), with the thread count still fixed; the
-    CPU's instruction-set level then decides the bits, so it stays in the key.
+    The host's own kernels (fastest), with ``threads`` intra-op threads: the split
+    of a reduction follows the thread count, and the CPU's instruction-set level
+    decides the bits, so both stay in the key.
 
 The variables only work when set at process start, so :meth:`variables` is
 what :func:`reprotrain.determinism.reexec_with_fixed_hash_seed` exports when
@@ -94,25 +101,21 @@ class CpuProfile:
     def portable(self) -> bool:
         return self.name == "portable"
 
+    @property
+    def aten_threads(self) -> int:
+        """ATen's intra-op threads: ``threads`` under ``native``; one under ``portable``,
+        where ``threads`` threads share the routed GEMM's blocks instead."""
+        return 1 if self.portable else self.threads
+
     def variables(self) -> dict[str, str]:
         """The variables this profile needs in place when the interpreter starts."""
-        pinned = {"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
+        threads = str(self.aten_threads)
+        pinned = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         if self.portable:
             pinned["ATEN_CPU_CAPABILITY"] = PORTABLE_ATEN_LEVEL
             pinned["MKL_CBWR"] = PORTABLE_MKL_BRANCH
             pinned.update(OPENBLAS_VARIABLES)
         return pinned
-
-    def pacing(self) -> dict[str, str]:
-        """Variables that change the speed alone, never the bits: set at start unless exported.
-
-        Not in :meth:`variables` (nor the record): an exported value is the user's choice,
-        not a contradiction. Under ``portable`` at more than one thread, ATen's OpenMP
-        threads sleep between parallel regions instead of spinning: spinning, they took
-        the cores the routed GEMM's threads need, and two threads ran no faster than one
-        (``benchmarks/portable_threads.py``).
-        """
-        return {"OMP_WAIT_POLICY": "PASSIVE"} if self.portable and self.threads > 1 else {}
 
     def contradictions(self, environ: Mapping[str, str] = os.environ) -> list[str]:
         """Exported variables that disagree with the profile, each as ``NAME=value (needs X)``."""
@@ -126,9 +129,14 @@ class CpuProfile:
         return f"CPU profile {self.name} ({self.threads} thread{'s' * (self.threads > 1)})"
 
     def record(self) -> dict[str, Any]:
-        """What the profile fixes, for the environment record (no host facts)."""
-        out: dict[str, Any] = {"profile": self.name, "threads": self.threads}
-        if self.portable:
+        """What the profile fixes, for the environment record (no host facts).
+
+        ``threads`` only under ``native``: under ``portable`` it decides the speed alone.
+        """
+        out: dict[str, Any] = {"profile": self.name}
+        if not self.portable:
+            out["threads"] = self.threads
+        else:
             out.update(pins=self.variables(), onednn=False, requires=list(PORTABLE_REQUIRES))
             out["kernels"] = {
                 "routed": list(ROUTED),
@@ -162,7 +170,7 @@ class CpuProfile:
             if name not in os.environ
         ]
         torch.backends.mkldnn.enabled = not self.portable
-        torch.set_num_threads(self.threads)
+        torch.set_num_threads(self.aten_threads)
         if not self.portable:
             portable_kernels.disable()
         else:

@@ -249,7 +249,7 @@ def _hardware_items(
             "hardware",
             "CPU kernels independent of the CPU model",
             "pass",
-            f"cpu.profile portable, {profile['threads']} thread(s): model and flags informational",
+            "cpu.profile portable: model, flags and thread count informational",
         )
     else:
         kernels = Item(

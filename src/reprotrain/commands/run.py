@@ -38,7 +38,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
         help="also pin the CPU kernels (docs/cpu-profile.md); default: leave them",
     )
     parser.add_argument(
-        "--threads", type=int, default=1, help="intra-op threads with --cpu-profile"
+        "--threads",
+        type=int,
+        default=1,
+        help="threads with --cpu-profile (native: ATen's intra-op; portable: its GEMM's)",
     )
 
 
@@ -76,18 +79,14 @@ def command_of(args: argparse.Namespace, verb: str) -> list[str]:
 
 
 def launch_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` with the launch variables in place; warns about each exported one replaced.
-
-    A CPU profile's pacing (speed alone) goes in too where ``environ`` lacks it.
-    """
+    """``environ`` with the launch variables in place; warns about each exported one replaced."""
     fixed = launch_variables(args.cpu_profile, args.threads)
     for name, value in fixed.items():
         if name in environ and environ[name] != value:
             print(
                 f"reprotrain: warning: {name}={environ[name]} replaced by {value}", file=sys.stderr
             )
-    paced = CpuProfile(args.cpu_profile, args.threads).pacing() if args.cpu_profile else {}
-    return {**paced, **environ, **fixed}
+    return {**environ, **fixed}
 
 
 def run(_: object, args: argparse.Namespace) -> int:

@@ -144,13 +144,17 @@ class TrainConfig:
 class CpuConfig:
     profile: str = _spec(
         "portable",
-        "CPU kernels: 'portable' pins them (AVX2 ATen, MKL's compatible path, no oneDNN) so "
-        "every x86-64 CPU with AVX2 gives the same bits; 'native' uses the host's fastest, "
+        "CPU kernels: 'portable' pins them (AVX2 ATen, the project's OpenBLAS GEMM, no oneDNN) "
+        "so every x86-64 CPU with AVX2 gives the same bits; 'native' uses the host's fastest, "
         "and its instruction set then decides the bits (docs/cpu-profile.md)",
         choices=PROFILES,
     )
     threads: int = _spec(
-        1, "intra-op threads per process (the split of a reduction follows it)", ge=1, le=1024
+        1,
+        "threads per process: under 'native' ATen's (the split of a reduction follows them), "
+        "under 'portable' the GEMM's (fixed blocks: the speed alone)",
+        ge=1,
+        le=1024,
     )
 
     def to_profile(self) -> CpuProfile:

@@ -55,12 +55,13 @@ if TYPE_CHECKING:  # jsonargparse and Lightning load when the stage runs
     from reprotrain.pipeline.recipe import Recipe
 
 #: The params.yaml keys this stage reads; dvc.yaml lists exactly these. The process
-#: layout (train.devices, train.num_nodes, train.strategy) reaches the cache key through
-#: the environment record, only when it decides the bits.
+#: layout (train.devices, train.num_nodes, train.strategy) and cpu.threads reach the
+#: cache key through the environment record, only when they decide the bits (threads:
+#: under cpu.profile native, not portable).
 PARAMS = (
     "seed",
     "deterministic",
-    "cpu",
+    "cpu.profile",
     "model",
     "data",
     "train.max_epochs",
