@@ -11,7 +11,13 @@ import yaml
 
 from reprotrain.pipeline.config import Params, load_params
 from reprotrain.pipeline.errors import DataError
-from reprotrain.pipeline.preflight import Sizes, network_parameters, preflight, training_bytes
+from reprotrain.pipeline.preflight import (
+    Sizes,
+    check_raw_data,
+    network_parameters,
+    preflight,
+    training_bytes,
+)
 from reprotrain.pipeline.recipe import resolve_recipe
 from tests.helpers import ROOT, cli_env, params_with
 
@@ -34,7 +40,7 @@ def _raw(tmp_path: Path, name: str = "user.npz", **arrays: np.ndarray) -> Path:
 
 def _preflight(params: Params, raw: Path, gpus: list) -> str:
     """:func:`preflight` as the env stage calls it, with the resolved model's sizes."""
-    return preflight(params, Sizes.of(resolve_recipe(params)), raw, gpus=gpus)
+    return preflight(params, Sizes.of(resolve_recipe(params)), check_raw_data(params, raw), gpus)
 
 
 def test_the_default_params_and_digits_pass(tmp_path: Path) -> None:

@@ -121,3 +121,23 @@ def test_a_planted_eager_import_is_named_with_the_chain_that_pulled_it_in(
     )
     chains = heavy_imports(done.stderr)
     assert "reprotrain.pipeline.data -> lightning" in chains, chains
+
+
+@pytest.mark.parametrize("bad", [True, False], ids=["bad-data", "good-data-control"])
+def test_the_env_stage_refuses_bad_raw_data_before_it_imports_lightning(
+    tmp_path: Path, bad: bool
+) -> None:
+    """A bad raw file stops `dvc repro` in seconds; good data goes on to the recipe (control)."""
+    (tmp_path / "raw").mkdir()
+    x = np.full((30, 4, 4), np.nan if bad else 0.5, np.float32)
+    np.savez(tmp_path / "raw" / "user.npz", x=x, y=np.arange(30) % 3)
+    params = (ROOT / "params.yaml").read_text().replace("source: digits", "source: user.npz")
+    (tmp_path / "params.yaml").write_text(params)
+    lock = ROOT / "requirements-cpu.lock"
+    done = run_timed("env", "--raw-dir", "raw", "--lock", lock, "--out", "e.json", cwd=tmp_path)
+    if bad:
+        assert done.returncode == 2 and "x contains NaN" in done.stderr, done.stderr[-2000:]
+        assert heavy_imports(done.stderr) == [] and not (tmp_path / "e.json").exists()
+    else:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert any(chain.endswith("lightning") for chain in heavy_imports(done.stderr))

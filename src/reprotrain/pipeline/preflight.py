@@ -7,7 +7,9 @@ and reports (they stay in the DVC cache, but the workspace loses them). The
 record with ``persist: true`` (DVC never deletes it), and makes ``prepare``
 (so everything after it) depend on that record. With ``--raw-dir`` the stage
 calls :func:`preflight`, and any failure stops ``dvc repro`` there, with every
-earlier output in place.
+earlier output in place. The raw data is checked before the model and data
+module are imported (:func:`check_raw_data`: no Lightning import stands between
+a bad file and its one line), the estimates after (:func:`preflight`).
 
 What it checks, each failure one line naming the key or file and what to do:
 the whole of params.yaml (types, ranges, cross-field rules, via
@@ -66,6 +68,33 @@ class PlannedOutputs:
     trace: Path
     checkpoints: Path
     reports: tuple[Path, ...]
+
+
+@dataclass(frozen=True)
+class RawData:
+    """What the checks read from the prepare stage's raw data (:func:`check_raw_data`)."""
+
+    source: str
+    samples: int
+    #: One sample's channels x height x width.
+    shape: tuple[int, int, int]
+    classes: int
+    #: The train / validation / test split sizes.
+    splits: tuple[int, int, int]
+
+
+def check_raw_data(params: Params, raw_dir: Path) -> RawData:
+    """The prepare stage's raw data, checked (one line on a failure); needs no recipe."""
+    if params.prepare is None:
+        raise DataError(
+            "params has no prepare section, but --raw-dir asks to check raw data for the "
+            "prepare stage; add the section (`reprotrain params --defaults` prints it) or drop "
+            "--raw-dir"
+        )
+    x, y, source = load_raw(params.prepare.source, raw_dir)
+    splits = split_sizes(len(y), params.prepare, source)
+    shape = (int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
+    return RawData(source, len(y), shape, int(y.max()) + 1, splits)
 
 
 @dataclass(frozen=True)
@@ -210,14 +239,15 @@ def check_accelerator(params: Params) -> None:
 def preflight(
     params: Params,
     model: Sizes,
-    raw_dir: Path,
+    raw: RawData,
     gpus: list[dict[str, Any]],
     cpu_flags: Iterable[str] | None = None,
     planned: PlannedOutputs | None = None,
 ) -> str:
     """Refuse, with one line, what would fail later in the pipeline; return what was checked.
 
-    ``gpus`` and ``cpu_flags`` as the environment record has them; ``cpu_flags``
+    ``raw`` from :func:`check_raw_data`; ``gpus`` and ``cpu_flags`` as the environment
+    record has them; ``cpu_flags``
     None: this machine's. With ``planned``, also the outputs' folders (writable, room).
     """
     flags = set(cpu_facts()["dispatch_flags"] if cpu_flags is None else cpu_flags)
@@ -229,16 +259,7 @@ def preflight(
             "one lacks, so it cannot give the committed bits here; set cpu.profile: native"
         )
         refuse_or_warn(params.deterministic, message)
-    if params.prepare is None:
-        raise DataError(
-            "params has no prepare section, but --raw-dir asks to check raw data for the "
-            "prepare stage; add the section (`reprotrain params --defaults` prints it) or drop "
-            "--raw-dir"
-        )
-    x, y, source = load_raw(params.prepare.source, raw_dir)
-    sizes = split_sizes(len(y), params.prepare, source)
-    shape = (int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
-    classes = int(y.max()) + 1
+    source, shape, classes, sizes = raw.source, raw.shape, raw.classes, raw.splits
     wants_gpu = params.train.accelerator == "gpu"
     if wants_gpu and not gpus:
         raise DataError(
@@ -260,7 +281,7 @@ def preflight(
         check_outputs(output_bytes(params, model, sizes, shape, classes, planned))
     estimate = f", about {need / 2**20:.0f} MiB to train" if model.cnn else ""
     return (
-        f"checked the prepare stage's raw data, {source} ({len(y)} samples, "
+        f"checked the prepare stage's raw data, {source} ({raw.samples} samples, "
         f"{shape[0]}x{shape[1]}x{shape[2]}, {classes} classes, splits "
         f"{sizes[0]}/{sizes[1]}/{sizes[2]}{estimate})"
     )

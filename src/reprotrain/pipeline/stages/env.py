@@ -150,12 +150,15 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
     train = pipeline_train_stage()
     checked = ""
     if args.out is not None or args.raw_dir is not None:
+        from reprotrain.pipeline.preflight import Sizes, check_raw_data, preflight
+
+        # the raw data first: a bad file's line comes before the recipe's imports (Lightning)
+        raw = None if args.raw_dir is None else check_raw_data(params, args.raw_dir)
         from reprotrain.pipeline.contract import (
             check_loaders,
             check_recipe,
             check_world_size_invariance,
         )
-        from reprotrain.pipeline.preflight import Sizes, preflight
         from reprotrain.pipeline.recipe import resolve_recipe
 
         recipe = resolve_recipe(params)
@@ -164,10 +167,10 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         check_loaders(params, recipe)
         checked = f"; checked {recipe.model.class_path} and {recipe.data.class_path}"
         checked += unread_data_note(recipe, train)
-        if args.raw_dir is not None:
+        if raw is not None:
             flags = record[HOST_KEY]["cpu"]["dispatch_flags"]
             checks = preflight(
-                params, Sizes.of(recipe), args.raw_dir, record["gpu"], flags, planned_outputs()
+                params, Sizes.of(recipe), raw, record["gpu"], flags, planned_outputs()
             )
             checked += f"; {checks}"
     if args.out is None:
