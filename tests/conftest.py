@@ -12,8 +12,11 @@ such a host would.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +35,7 @@ if EMULATED_LEVEL:
         )
     del os.environ["ATEN_CPU_CAPABILITY"]
 
+from reprotrain._zygote import VARIABLE as ZYGOTE  # noqa: E402
 from reprotrain.determinism import reexec_with_fixed_hash_seed  # noqa: E402
 from tests.helpers import (  # noqa: E402
     ROOT,
@@ -47,6 +51,20 @@ def pytest_configure(config: pytest.Config) -> None:
     # In-process tests call configure_determinism(mode=True), which fails closed
     # unless the hash seed was fixed at interpreter start: restart pytest with it.
     reexec_with_fixed_hash_seed()
+    # The commands' restarts fork from warm interpreters (src/reprotrain/_zygote.py), one
+    # folder per run, shared by the xdist workers; REPROTRAIN_TEST_ZYGOTE=0 turns it off.
+    if not hasattr(config, "workerinput") and os.environ.get("REPROTRAIN_TEST_ZYGOTE") != "0":
+        os.environ[ZYGOTE] = tempfile.mkdtemp(prefix="reprotrain-zygote-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's warm interpreters end with it (they would after two idle minutes)."""
+    if hasattr(config, "workerinput") or not (folder := os.environ.pop(ZYGOTE, None)):
+        return
+    for pid_file in Path(folder).glob("*.pid"):
+        with contextlib.suppress(ValueError, ProcessLookupError, FileNotFoundError):
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

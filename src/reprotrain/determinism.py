@@ -57,6 +57,7 @@ for what each mode does with a problem.
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -194,7 +195,10 @@ def reexec_with_fixed_hash_seed(variables: Mapping[str, str] | None = None) -> N
     env = {**os.environ, **wanted, "PYTHONHASHSEED": FIXED_HASH_SEED}
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
     # sys.orig_argv is the interpreter's own command line (python, -m/script, args...).
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    argv = [sys.executable, *sys.orig_argv[1:]]
+    if os.environ.get("REPROTRAIN_ZYGOTE"):  # the test suite's warm interpreter
+        importlib.import_module("reprotrain._zygote").hand_over(argv, env)  # returns: exec
+    os.execve(sys.executable, argv, env)
 
 
 def _cuda_initialized() -> bool:

@@ -1,0 +1,359 @@
+"""A warm interpreter for the restart: the test suite's start-up, paid once instead of per process.
+
+Every ``reprotrain`` verb that trains or configures determinism restarts itself
+(:func:`reprotrain.determinism.reexec_with_fixed_hash_seed`), and the restarted
+interpreter then imports torch and Lightning: about 5 s on a 2-core build host,
+paid by every test that runs the command and by every stage of every ``dvc
+repro`` a test starts. With ``REPROTRAIN_ZYGOTE`` naming a folder (the test
+suite sets it; nothing else should), the restart instead asks a server in that
+folder, an interpreter started with the very variables the restart would export
+and with those modules imported, to fork a child that runs the command: same
+arguments, variables, working directory, umask and standard streams. This
+process waits for the child, forwards the stop signals it gets to the child's
+process group, and ends as the child ended (its exit code, or killed by the
+same signal); if this process dies, the server kills the child's group.
+
+One server per set of start-up variables (:data:`STARTUP`: those an interpreter,
+OpenMP, MKL, OpenBLAS, ATen or CUDA read when they load, and ``PYTHON*``); the
+first request of a set starts its server and execs as before, later ones are
+served. A command line with interpreter options (``python -X importtime -m
+...``) always execs. A server exits after :data:`IDLE_S` seconds without a
+request. Under ``REPROTRAIN_ZYGOTE`` unset this module is never imported.
+
+Limits, why it is for tests only: the child is a fork of a process that
+imported modules for other commands; modules that read a variable outside
+:data:`STARTUP` at import see the server's value, and the child is not a
+descendant of this process (signals reach it through this one; ``ps`` trees
+differ). The suite's comparisons against the committed reference, made by
+fresh processes, show it trains the same bits.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import hashlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import struct
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+VARIABLE = "REPROTRAIN_ZYGOTE"
+#: Prefixes of the variables read when an interpreter or a native library loads.
+STARTUP = (
+    *("PYTHON", "LD_", "MALLOC", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS", "GOTO"),
+    *("ATEN_", "TORCH", "CUDA", "CUBLAS", "CUDNN", "NCCL", "ONEDNN", "DNNL", "PL_", "LIGHTNING"),
+    "REPROTRAIN_TEST_",  # tests/inject's sitecustomize reads them at start
+)
+#: Modules a served command would import anyway, imported once by the server.
+WARM = ("torch", "lightning", "reprotrain.cli", "reprotrain.pipeline.stages.train")
+IDLE_S = 120.0
+#: Signals a waiting requester passes on to the child's process group.
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+_HEADER = struct.Struct("!I")
+
+
+def _key(argv: list[str], env: Mapping[str, str]) -> str:
+    """The server a request may use: same interpreter, start-up variables and process
+    context (a served child runs in its server's namespaces, with its limits and CPUs)."""
+    startup = sorted((k, v) for k, v in env.items() if k.startswith(STARTUP))
+    text = json.dumps([os.path.realpath(argv[0]), startup, _context()])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _context() -> list:
+    """What a fork inherits from its server but an exec from its requester, beyond variables:
+    namespaces (``unshare``'s mounts), credentials, resource limits, CPUs, cgroup."""
+    import resource
+
+    spaces = [str(Path(f"/proc/self/ns/{n}").readlink()) for n in ("mnt", "user", "pid", "net")]
+    limits = [resource.getrlimit(getattr(resource, n)) for n in dir(resource) if n[:7] == "RLIMIT_"]
+    cgroup = Path("/proc/self/cgroup").read_text()
+    ids = [os.getuid(), os.geteuid(), os.getgid(), os.getegid(), sorted(os.getgroups())]
+    return [spaces, ids, limits, sorted(os.sched_getaffinity(0)), cgroup]
+
+
+def _entry(argv: list[str]) -> tuple[str, str] | None:
+    """``("module", name)`` for ``python -m name``, ``("path", script)`` for ``python
+    script``; None for a command line with interpreter options (exec it)."""
+    if len(argv) >= 3 and argv[1] == "-m":
+        return "module", argv[2]
+    if len(argv) >= 2 and not argv[1].startswith("-"):
+        return "path", argv[1]
+    return None
+
+
+def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
+    data = json.dumps(message).encode()
+    payload = _HEADER.pack(len(data)) + data
+    if fds:
+        sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.sendall(payload)
+
+
+def _receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    """One message and the descriptors that came with it; (None, []) at end of stream."""
+    fds: list[int] = []
+    data = b""
+    size = None
+    while size is None or len(data) < _HEADER.size + size:
+        want = _HEADER.size - len(data) if size is None else _HEADER.size + size - len(data)
+        chunk, ancillary, _, _ = sock.recvmsg(want, socket.CMSG_SPACE(16 * 4))
+        for level, kind, raw in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += array.array("i", raw[: len(raw) - len(raw) % 4]).tolist()
+        if not chunk:
+            return None, fds
+        data += chunk
+        if size is None and len(data) == _HEADER.size:
+            size = _HEADER.unpack(data)[0]
+    return json.loads(data[_HEADER.size :]), fds
+
+
+# --- the requester: the restarting process -------------------------------------------------
+
+
+def hand_over(argv: list[str], env: dict[str, str]) -> None:
+    """Run ``argv`` (an interpreter's command line) under ``env`` in a served child and end
+    as it ends; return (exec as before) where no server takes it."""
+    folder = Path(env.get(VARIABLE) or os.environ[VARIABLE])
+    entry = _entry(argv)
+    if entry is None or argv[0] != sys.executable:
+        return
+    key = _key(argv, env)
+    path = folder / f"{key}.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+    except OSError:
+        sock.close()
+        _start_server(folder, key, argv, env)
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    request = {
+        **{"argv": argv, "env": env, "cwd": str(Path.cwd()), "umask": _umask()},
+        # an exec keeps ignored signals ignored and blocked ones blocked (``cmd &`` ignores
+        # SIGINT); the child starts with the same
+        "ignored": [int(n) for n in FORWARDED if signal.getsignal(n) == signal.SIG_IGN],
+        "blocked": [int(n) for n in signal.pthread_sigmask(signal.SIG_BLOCK, [])],
+    }
+    try:
+        _send(sock, request, [0, 1, 2])
+        started, _ = _receive(sock)
+    except OSError:
+        started = None
+    if started is None:  # the server went away before forking: exec as before
+        sock.close()
+        return
+    child = started["pid"]
+    for number in FORWARDED:
+        signal.signal(number, lambda sig, _frame: _signal_group(child, sig))
+    try:
+        ended, _ = _receive(sock)
+    except OSError:
+        ended = None
+    status = -signal.SIGKILL if ended is None else ended["status"]
+    if status < 0:
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    os._exit(status)
+
+
+def _signal_group(pid: int, number: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, number)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _start_server(folder: Path, key: str, argv: list[str], env: dict[str, str]) -> None:
+    """Start the server for ``key`` at its second request (a set of variables seen once, as
+    a test's own, would cost a server's imports for nothing), detached from this process."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(folder / f"{key}.seen", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return
+    except FileExistsError:
+        pass
+    try:
+        os.close(os.open(folder / f"{key}.starting", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return
+    server = [argv[0], "-m", "reprotrain._zygote", str(folder / f"{key}.sock")]
+    log = os.open(folder / f"{key}.log", os.O_CREAT | os.O_APPEND | os.O_WRONLY, 0o600)
+    pid = os.fork()
+    if pid == 0:  # forked twice: the server is nobody's child, so no test counts it as
+        try:  # something a command left behind, and it holds none of the command's pipes
+            os.setsid()
+            if os.fork() == 0:
+                null = os.open(os.devnull, os.O_RDWR)
+                for target, fd in ((0, null), (1, null), (2, log)):
+                    os.dup2(fd, target)
+                os.chdir("/")
+                os.execve(argv[0], server, env)
+        finally:
+            os._exit(0)
+    os.close(log)
+    os.waitpid(pid, 0)
+
+
+# --- the server -----------------------------------------------------------------------------
+
+
+def serve(path: Path) -> None:
+    """Import :data:`WARM`, then fork a child per request until idle for :data:`IDLE_S`."""
+    import importlib
+
+    for name in WARM:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    listener.bind(str(path))
+    listener.listen(64)
+    path.with_suffix(".pid").write_text(f"{os.getpid()}\n")
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "listener")
+    children: dict[int, tuple[socket.socket, int]] = {}  # pidfd -> (connection, pid)
+    last = time.monotonic()
+    try:
+        while children or time.monotonic() - last < IDLE_S:
+            for handle, _ in selector.select(timeout=5.0):
+                if handle.data == "listener":
+                    connection, _ = listener.accept()
+                    last = time.monotonic()
+                    pid = _fork_child(connection, listener, selector)
+                    if pid is None:
+                        connection.close()
+                        continue
+                    pidfd = os.pidfd_open(pid)
+                    children[pidfd] = (connection, pid)
+                    selector.register(pidfd, selectors.EVENT_READ, ("child", pidfd))
+                    selector.register(connection, selectors.EVENT_READ, ("requester", pidfd))
+                elif handle.data[0] == "child":
+                    _reap(handle.data[1], children, selector, report=True)
+                    last = time.monotonic()
+                elif handle.data[1] in children:  # the requester closed or died: stop the child
+                    _, pid = children[handle.data[1]]
+                    _signal_group(pid, signal.SIGKILL)
+                    selector.unregister(handle.fileobj)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        for suffix in (".starting", ".pid"):
+            with contextlib.suppress(FileNotFoundError):
+                path.with_suffix(suffix).unlink()
+
+
+def _reap(pidfd: int, children: dict, selector: selectors.BaseSelector, report: bool) -> None:
+    connection, pid = children.pop(pidfd)
+    _, code = os.waitpid(pid, 0)
+    status = -os.WTERMSIG(code) if os.WIFSIGNALED(code) else os.WEXITSTATUS(code)
+    selector.unregister(pidfd)
+    os.close(pidfd)
+    with contextlib.suppress(KeyError, ValueError):
+        selector.unregister(connection)
+    with contextlib.suppress(OSError):
+        _send(connection, {"status": status})
+    connection.close()
+
+
+def _fork_child(
+    connection: socket.socket, listener: socket.socket, selector: selectors.BaseSelector
+) -> int | None:
+    request, fds = _receive(connection)
+    if request is None or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        return None
+    pid = os.fork()
+    if pid == 0:  # none of the server's sockets or pidfds stays open in the child
+        for held in list(selector.get_map().values()):
+            with contextlib.suppress(OSError):
+                os.close(held.fd)
+        selector.close()
+        _run_child(request, fds, connection)
+    for fd in fds:
+        os.close(fd)
+    _send(connection, {"pid": pid})
+    print(f"served {pid}: {' '.join(request['argv'][1:4])}", file=sys.stderr, flush=True)
+    return pid
+
+
+def _run_child(request: dict, fds: list[int], connection: socket.socket) -> None:
+    """In the forked child: become the requested process, run it, exit as it exits."""
+    code = 1
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the server
+        os.setpgid(0, 0)
+        connection.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        for number in (*FORWARDED, signal.SIGCHLD):
+            signal.signal(number, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python sets it at start
+        for number in request["ignored"]:
+            signal.signal(number, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
+        os.chdir(request["cwd"])
+        os.umask(request["umask"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        import tempfile
+
+        tempfile.tempdir = None
+        if "numpy" in sys.modules:  # seeded from the system at import in a fresh process
+            sys.modules["numpy"].random.seed()
+        argv = request["argv"]
+        sys.orig_argv[:] = argv
+        kind, target = _entry(argv)  # type: ignore[misc]  # checked by the requester
+        if kind == "module":
+            sys.argv[:] = [target, *argv[3:]]
+            sys.path[0] = request["cwd"]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv[:] = argv[1:]
+            sys.path[0] = str(Path(target).resolve().parent)
+            runpy.run_path(target, run_name="__main__")
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        if not isinstance(done.code, int) and done.code is not None:
+            print(done.code, file=sys.stderr)
+    except KeyboardInterrupt:  # as the interpreter ends on one: killed by SIGINT
+        sys.excepthook(*sys.exc_info())
+        code = -signal.SIGINT
+    except BaseException:  # noqa: BLE001  # the interpreter's own top level: report, exit 1
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    finally:
+        import atexit
+
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    serve(Path(sys.argv[1]))
