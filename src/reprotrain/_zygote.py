@@ -14,11 +14,12 @@ process group, and ends as the child ended (its exit code, or killed by the
 same signal); if this process dies, the server kills the child's group.
 
 One server per set of start-up variables (:data:`STARTUP`: those an interpreter,
-OpenMP, MKL, OpenBLAS, ATen or CUDA read when they load, and ``PYTHON*``); the
-first request of a set starts its server and execs as before, later ones are
-served. A command line with interpreter options (``python -X importtime -m
-...``) always execs. A server exits after :data:`IDLE_S` seconds without a
-request. Under ``REPROTRAIN_ZYGOTE`` unset this module is never imported.
+OpenMP, MKL, OpenBLAS, ATen or CUDA read when they load, and ``PYTHON*``) and
+process context; the first two requests of a set exec as before (the second
+starts its server), later ones are served. A command line with interpreter
+options (``python -X importtime -m ...``) always execs. A server exits after
+:data:`IDLE_S` seconds without a request. Under ``REPROTRAIN_ZYGOTE`` unset this
+module is never imported.
 
 Limits, why it is for tests only: the child is a fork of a process that
 imported modules for other commands; modules that read a variable outside
@@ -125,8 +126,7 @@ def hand_over(argv: list[str], env: dict[str, str]) -> None:
     """Run ``argv`` (an interpreter's command line) under ``env`` in a served child and end
     as it ends; return (exec as before) where no server takes it."""
     folder = Path(env.get(VARIABLE) or os.environ[VARIABLE])
-    entry = _entry(argv)
-    if entry is None or argv[0] != sys.executable:
+    if _entry(argv) is None:
         return
     key = _key(argv, env)
     path = folder / f"{key}.sock"
@@ -140,7 +140,10 @@ def hand_over(argv: list[str], env: dict[str, str]) -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     request = {
-        **{"argv": argv, "env": env, "cwd": str(Path.cwd()), "umask": _umask()},
+        "argv": argv,
+        "env": env,
+        "cwd": str(Path.cwd()),
+        "umask": _umask(),
         # an exec keeps ignored signals ignored and blocked ones blocked (``cmd &`` ignores
         # SIGINT); the child starts with the same
         "ignored": [int(n) for n in FORWARDED if signal.getsignal(n) == signal.SIG_IGN],
@@ -235,7 +238,7 @@ def serve(path: Path) -> None:
                 if handle.data == "listener":
                     connection, _ = listener.accept()
                     last = time.monotonic()
-                    pid = _fork_child(connection, listener, selector)
+                    pid = _fork_child(connection, selector)
                     if pid is None:
                         connection.close()
                         continue
@@ -244,7 +247,7 @@ def serve(path: Path) -> None:
                     selector.register(pidfd, selectors.EVENT_READ, ("child", pidfd))
                     selector.register(connection, selectors.EVENT_READ, ("requester", pidfd))
                 elif handle.data[0] == "child":
-                    _reap(handle.data[1], children, selector, report=True)
+                    _reap(handle.data[1], children, selector)
                     last = time.monotonic()
                 elif handle.data[1] in children:  # the requester closed or died: stop the child
                     _, pid = children[handle.data[1]]
@@ -258,7 +261,7 @@ def serve(path: Path) -> None:
                 path.with_suffix(suffix).unlink()
 
 
-def _reap(pidfd: int, children: dict, selector: selectors.BaseSelector, report: bool) -> None:
+def _reap(pidfd: int, children: dict, selector: selectors.BaseSelector) -> None:
     connection, pid = children.pop(pidfd)
     _, code = os.waitpid(pid, 0)
     status = -os.WTERMSIG(code) if os.WIFSIGNALED(code) else os.WEXITSTATUS(code)
@@ -271,9 +274,7 @@ def _reap(pidfd: int, children: dict, selector: selectors.BaseSelector, report: 
     connection.close()
 
 
-def _fork_child(
-    connection: socket.socket, listener: socket.socket, selector: selectors.BaseSelector
-) -> int | None:
+def _fork_child(connection: socket.socket, selector: selectors.BaseSelector) -> int | None:
     request, fds = _receive(connection)
     if request is None or len(fds) != 3:
         for fd in fds:
