@@ -10,6 +10,7 @@ script without a fault is IDENTICAL (negative control).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import importlib.util
@@ -17,10 +18,14 @@ import json
 import os
 import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -39,15 +44,42 @@ SCRIPT = ROOT / "tests" / "scripts" / "fault_loop.py"
 LIGHTNING_SCRIPT = ROOT / "tests" / "scripts" / "fault_fit.py"
 
 
-def _record(out: Path, noise: float = 0.0, width: int = 8, seed: int = 0) -> Path:
+@contextlib.contextmanager
+def _square_root_one_ulp_up() -> Iterator[None]:
+    """A planted kernel: ``aten::sqrt`` on the CPU rounds one unit in the last place up."""
+    library = torch.library.Library("aten", "IMPL")
+
+    def sqrt(x: torch.Tensor) -> torch.Tensor:
+        root = np.sqrt(x.detach().numpy())
+        return torch.from_numpy(np.nextafter(root, np.array(np.inf, dtype=root.dtype)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns on a replaced kernel
+        library.impl("sqrt", sqrt, "CPU")
+    try:
+        yield
+    finally:
+        library._destroy()
+
+
+def _record(
+    out: Path,
+    noise: float = 0.0,
+    width: int = 8,
+    seed: int = 0,
+    adam: bool = False,
+    planted_sqrt: bool = False,
+) -> Path:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(4, width), torch.nn.ReLU(), torch.nn.Linear(width, 2)
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    parameters = model.parameters()
+    optimizer = torch.optim.Adam(parameters) if adam else torch.optim.SGD(parameters, lr=0.1)
     x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
     for step in range(2):
-        with record_step(model, step, optimizer, steps=(1, 1), out=out, batch=(x, y)):
+        kernel = _square_root_one_ulp_up() if planted_sqrt and step == 1 else nullcontext()
+        with kernel, record_step(model, step, optimizer, steps=(1, 1), out=out, batch=(x, y)):
             h = model(x)
             h = h + noise  # planted: a Python value
             loss = torch.nn.functional.cross_entropy(h, y)
@@ -72,6 +104,26 @@ def test_a_planted_python_value_is_named_at_its_op_and_line(tmp_path: Path) -> N
     assert "Python value" in result.differing_inputs[0]
     assert "the cause is here, at this op's source line" in result.diagnosis
     assert "upstream" not in result.to_text()
+
+
+def test_every_kernel_that_gives_another_output_is_counted_not_only_the_first(
+    tmp_path: Path,
+) -> None:
+    """As between an Intel and an AMD CPU, whose only split was MKL's sqrt in Adam's update."""
+    a = _record(tmp_path / "a", adam=True)
+    result = compare_recordings(a, _record(tmp_path / "b", adam=True, planted_sqrt=True))
+    assert (result.kind, result.op["op"]) == ("kernel", "aten.sqrt.default")
+    assert result.kernels == {"aten.sqrt.default": 4}  # one per parameter tensor
+    assert result.kernels_agreeing > 20
+    assert "every op with equal inputs and another output: aten.sqrt.default x4" in (
+        result.to_text()
+    )
+
+
+def test_a_difference_from_a_value_counts_no_kernel(tmp_path: Path) -> None:
+    result = compare_recordings(_record(tmp_path / "a"), _record(tmp_path / "b", noise=1e-3))
+    assert result.kernels == {}
+    assert "no op gave another output from equal inputs" in result.to_text()
 
 
 def test_weights_that_differed_before_the_step_are_blamed_upstream(tmp_path: Path) -> None:

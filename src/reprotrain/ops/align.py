@@ -19,6 +19,12 @@ or outputs differ is classified:
 - ``sequence``: the call sequences part (an extra or missing op, another
   branch); both sides' ops at that point are named.
 
+Past the first difference, every op whose inputs all agree and whose output
+differs is counted by name (``kernels``), up to where the call sequences part:
+the whole set of kernels that give other bits on the two sides (an op whose
+input already differed says nothing about its kernel). Between two CPUs this
+names every kernel that splits them, not only the first (docs/cpu-profile.md).
+
 Recordings of different models, different steps or different world sizes, a
 file that is not a recording, and a newer format raise :class:`OpRecordError`
 with one line naming the file.
@@ -68,6 +74,10 @@ class OpDiff:
     differing_inputs: list[str] = field(default_factory=list)
     ranks_diverging: list[int] = field(default_factory=list)
     ops_compared: int = 0
+    #: Every op (by name) whose inputs agreed and whose output differed, and how often.
+    kernels: dict[str, int] = field(default_factory=dict)
+    #: How many ops had equal inputs and gave equal outputs (the kernels that agreed).
+    kernels_agreeing: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,6 +103,17 @@ class OpDiff:
         lines += [f"  differs: {text}" for text in self.differing_inputs]
         if len(self.ranks_diverging) > 1:
             lines.append(f"  ranks diverging: {', '.join(map(str, self.ranks_diverging))}")
+        if self.kernels:
+            counts = ", ".join(f"{op} x{n}" for op, n in sorted(self.kernels.items()))
+            lines.append(
+                f"  every op with equal inputs and another output: {counts} "
+                f"({self.kernels_agreeing} with equal inputs gave equal outputs)"
+            )
+        else:
+            lines.append(
+                f"  no op gave another output from equal inputs ({self.kernels_agreeing} had "
+                "equal inputs)"
+            )
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -210,6 +231,38 @@ def _compare_rank(a: LoadedRecording, b: LoadedRecording) -> OpDiff | int:
     return n
 
 
+def _kernels(a: LoadedRecording, b: LoadedRecording) -> tuple[dict[str, int], int]:
+    """Ops whose inputs all agree and whose outputs differ, by name, until the sequences
+    part, and the number of ops whose inputs and outputs both agree.
+
+    An input counts as agreeing only when its fingerprint and its producer agree and
+    nothing upstream of that producer differed: views and ``set_`` are fingerprinted
+    by shape, so a differing value can pass through one with an equal fingerprint.
+    """
+    found: dict[str, int] = {}
+    agreeing = 0
+    tainted = np.zeros(min(len(a.ops), len(b.ops)), dtype=bool)
+    for i in range(len(tainted)):
+        if _signature(a, i) != _signature(b, i):
+            break
+        ins_a, ins_b = a.op_inputs(i), b.op_inputs(i)
+        same = (
+            len(ins_a) == len(ins_b)
+            and np.array_equal(a.values[ins_a[:, 1]], b.values[ins_b[:, 1]])
+            and np.array_equal(ins_a[:, 2], ins_b[:, 2])
+        )
+        producers = ins_a[:, 2][ins_a[:, 2] >= 0]
+        if not same or tainted[producers].any():
+            tainted[i] = True
+        elif np.array_equal(a.op_outputs(i), b.op_outputs(i)):
+            agreeing += 1
+        else:
+            tainted[i] = True
+            name = a.op(i)["op"]
+            found[name] = found.get(name, 0) + 1
+    return found, agreeing
+
+
 def _parted(a: LoadedRecording, b: LoadedRecording, i: int) -> OpDiff:
     end = {"index": i, "step": "-", "phase": "forward", "op": "(end of recording)",
            "module": "-", "line": "-"}  # fmt: skip
@@ -232,6 +285,7 @@ def compare_recordings(a: str | Path, b: str | Path) -> OpDiff:
         result = _compare_rank(ranks_a[rank], ranks_b[rank])
         if isinstance(result, OpDiff):
             result.rank = rank if len(ranks_a) > 1 else None
+            result.kernels, result.kernels_agreeing = _kernels(ranks_a[rank], ranks_b[rank])
             found.append((rank, result))
         else:
             compared += result
@@ -239,4 +293,9 @@ def compare_recordings(a: str | Path, b: str | Path) -> OpDiff:
         return OpDiff(True, ops_compared=compared)
     first = min(found, key=lambda f: (f[1].op["step"] if f[1].op["step"] != "-" else 1 << 62, f[0]))
     first[1].ranks_diverging = [rank for rank, _ in found]
+    for _, other in found:
+        if other is not first[1]:
+            for name, count in other.kernels.items():
+                first[1].kernels[name] = first[1].kernels.get(name, 0) + count
+            first[1].kernels_agreeing += other.kernels_agreeing
     return first[1]
