@@ -2,7 +2,8 @@
 
 Each row runs one routed op of ``reprotrain.portable_kernels`` (``cpuprofile.ROUTED``)
 on inputs of the shipped recipes' shapes (the language model's GEMMs at batch 32 x 64
-tokens, width 64 and 144; the digits network's convolutions; dropout's mask) and prints
+tokens, width 64 and 144; the digits network's convolutions; dropout's mask; the square
+root of Adam's update over every float32 exponent) and prints
 the first 16 hex digits of the sha256 of its outputs, then one line over all rows. Inputs
 are integers from a seeded ``torch.Generator`` divided by 251 (IEEE division rounds the
 same on every CPU): the same bits anywhere, and their sums round, so a sum's order shows.
@@ -65,6 +66,11 @@ def _rows(g: object) -> dict[str, Callable[[], list[object]]]:
         torch.manual_seed(0)
         return [F.dropout(torch.ones(32, 64, 64), 0.1, True)]
 
+    def square_root() -> list[torch.Tensor]:
+        # every positive finite float32 is one bit pattern in [0, 0x7F800000): all exponents
+        x = torch.randint(0, 0x7F800000, (1 << 20,), generator=g, dtype=torch.int32)
+        return [torch.sqrt(x.view(torch.float32))]
+
     return {
         "lm gemm 2048x64 -> 256": gemm(2048, 64, 256),
         "lm gemm 2048x144 -> 576": gemm(2048, 144, 576),
@@ -73,6 +79,7 @@ def _rows(g: object) -> dict[str, Callable[[], list[object]]]:
         "digits conv 64x1x8x8 -> 16": conv(64, 1, 16, 8),
         "digits conv 64x16x4x4 -> 32": conv(64, 16, 32, 4),
         "dropout mask 32x64x64, p 0.1": dropout,
+        "adam sqrt 1M float32": square_root,
     }
 
 

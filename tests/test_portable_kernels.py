@@ -10,17 +10,28 @@ is what docs/cpu-profile.md's per-host rows show.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
 from reprotrain import portable_kernels
-from reprotrain.cpuprofile import ROUTED, CpuProfile
+from reprotrain.cpuprofile import MKL_VML_OPS, ROUTED, CpuProfile
 from tests.helpers import ROOT
+
+
+def _cpu_kernel(op: str) -> str:
+    """Where the CPU kernel that ``aten::op`` dispatches to was registered."""
+    kernel = torch._C._dispatch_get_computed_kernel_for_dispatch_key(
+        f"aten::{op}", torch._C.DispatchKey.CPU
+    )
+    return repr(kernel)
 
 
 @pytest.fixture
@@ -139,14 +150,49 @@ def test_another_seed_draws_another_mask(routed: None) -> None:
     assert not torch.equal(*masks)
 
 
+def _square_root_inputs(dtype: torch.dtype) -> torch.Tensor:
+    """Values over the whole exponent range, subnormals and the special values included."""
+    g = torch.Generator().manual_seed(0)
+    low = -149 if dtype == torch.float32 else -1074
+    exponents = torch.randint(low, 120, (200_000,), generator=g).to(torch.float64)
+    x = (torch.rand(200_000, generator=g, dtype=torch.float64) + 1) * torch.exp2(exponents)
+    specials = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -1.0, 1.0, 4.0]
+    return torch.cat([x, torch.tensor(specials, dtype=torch.float64)]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_routed_square_root_rounds_as_ieee_requires(routed: None, dtype: torch.dtype) -> None:
+    """Adam's sqrt: NumPy's ufunc runs the CPU's square-root instruction, which IEEE 754
+    makes exact-rounded on every x86-64; MKL's vector math, torch's kernel, is not."""
+    x = _square_root_inputs(dtype)
+    with np.errstate(invalid="ignore"):
+        want = torch.from_numpy(np.sqrt(x.numpy()))
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    out, in_place = torch.empty(0, dtype=dtype), x.clone()
+    for got in (torch.sqrt(x), torch.sqrt(x, out=out), in_place.sqrt_()):
+        assert torch.equal(got.isnan(), want.isnan())  # NaN's sign is the CPU's: not compared
+        assert torch.equal(got[~want.isnan()].view(bits), want[~want.isnan()].view(bits))
+    grid = x[:200_000].reshape(400, 500).t()  # strided
+    assert torch.equal(
+        torch.sqrt(grid).reshape(-1).view(bits),
+        want[:200_000].reshape(400, 500).t().reshape(-1).view(bits),
+    )
+    assert torch.sqrt(x.to(torch.bfloat16)).dtype == torch.bfloat16  # torch's kernel takes it
+    assert "portable_kernels.py" in _cpu_kernel("sqrt")  # not torch's kernel
+    portable_kernels.disable()
+    assert _cpu_kernel("sqrt") == repr(portable_kernels._torchs["sqrt"])  # off: torch's again
+
+
 def test_every_routed_op_has_a_kernel() -> None:
     assert set(ROUTED) == set(portable_kernels._KERNELS)
     assert CpuProfile("portable").record()["kernels"]["routed"] == list(ROUTED)
     assert "kernels" not in CpuProfile("native").record()
 
 
-def _mkl_calls(profile: str, recipe: str) -> int:
-    """MKL calls (MKL_VERBOSE lines) during two training steps of a recipe's model."""
+@functools.cache
+def _steps(profile: str, recipe: str) -> tuple[int, frozenset[str]]:
+    """MKL calls (MKL_VERBOSE lines) during two training steps of a recipe's model, and
+    the aten overloads those steps called."""
     script = ROOT / "tests" / "scripts" / "mkl_calls.py"
     env = {
         **os.environ,
@@ -165,14 +211,33 @@ def _mkl_calls(profile: str, recipe: str) -> int:
     lines = done.stdout.splitlines()
     assert "MARK stepped" in lines, done.stdout[-2000:] + done.stderr[-2000:]
     steps = lines[lines.index("MARK start") : lines.index("MARK stepped")]
-    return sum(line.startswith("MKL_VERBOSE") for line in steps)
+    ops = json.loads(next(line for line in lines if line.startswith("OPS ")).removeprefix("OPS "))
+    return sum(line.startswith("MKL_VERBOSE") for line in steps), frozenset(ops)
 
 
 @pytest.mark.parametrize("recipe", ["digits", "lm"])
 def test_a_portable_training_step_makes_no_mkl_call(recipe: str) -> None:
-    assert _mkl_calls("portable", recipe) == 0
+    assert _steps("portable", recipe)[0] == 0
 
 
 @pytest.mark.parametrize("recipe", ["digits", "lm"])
 def test_a_native_training_step_calls_mkl(recipe: str) -> None:
-    assert _mkl_calls("native", recipe) > 0  # MKL's verbose mode does count the calls
+    assert _steps("native", recipe)[0] > 0  # MKL's verbose mode does count the calls
+
+
+def _unrouted_vector_math(ops: frozenset[str], routed: frozenset[str]) -> set[str]:
+    return {op for op in ops if op in MKL_VML_OPS and op not in routed}
+
+
+@pytest.mark.parametrize("recipe", ["digits", "lm"])
+def test_a_portable_training_step_calls_mkls_vector_math_only_where_routed(recipe: str) -> None:
+    """MKL's verbose mode does not count its vector math (VML): the ops that reach it are
+    checked by name instead; Adam's sqrt is one, and routed."""
+    ops = _steps("portable", recipe)[1]
+    assert "sqrt" in ops and "sqrt" in ROUTED
+    assert _unrouted_vector_math(ops, frozenset(ROUTED)) == set()
+
+
+@pytest.mark.parametrize("recipe", ["digits", "lm"])
+def test_a_native_training_step_reaches_mkls_vector_math(recipe: str) -> None:
+    assert _unrouted_vector_math(_steps("native", recipe)[1], frozenset()) >= {"sqrt"}

@@ -67,6 +67,15 @@ ROUTED = (
     *("mm", "addmm", "bmm", "baddbmm"),
     *("convolution", "convolution_backward"),
     "bernoulli_.float",
+    *("sqrt", "sqrt_", "sqrt.out"),
+)
+#: The aten ops that ATen hands to MKL's vector math (VML) for float tensors (ATen's
+#: ``cpu/vml.h``), each with its in-place and out= overloads: MKL's results differ by CPU
+#: vendor (``sqrt`` in Adam's update split the two vendors: docs/cpu-profile.md), so a
+#: portable step may call one only where it is routed (tests/test_portable_kernels.py).
+_VML_FUNCTIONS = "acos asin atan cos erf erfc erfinv exp log log10 log2 sin sqrt tan tanh trunc"
+MKL_VML_OPS = tuple(
+    f"{op}{overload}" for op in _VML_FUNCTIONS.split() for overload in ("", "_", ".out")
 )
 #: Output rows per pinned GEMM call: a constant, so the blocks do not follow the thread count.
 ROW_BLOCK = 128

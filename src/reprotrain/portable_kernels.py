@@ -3,7 +3,7 @@
 Under ``cpu.profile: portable`` a training step's kernels must give the same
 bits on any x86-64 CPU with AVX2 and FMA, whatever its vendor, model, caches or
 core count. ATen's own kernels do at the pinned ISA level (``cpuprofile``);
-two families of kernels that torch hands to MKL do not, and :func:`enable`
+three families of kernels that torch hands to MKL do not, and :func:`enable`
 replaces them on the CPU dispatch key through ``torch.library``:
 
 * **Matrix products** (``mm``, ``addmm``, ``bmm``, ``baddbmm``) and 2-D
@@ -27,12 +27,18 @@ replaces them on the CPU dispatch key through ``torch.library``:
   same seed draws other masks on the two vendors. The override always takes
   ATen's generator path (the probability passed as a float64 tensor, which
   draws the same stream as ATen's scalar path: tested), on every vendor.
+* **``sqrt``** (Adam's update): ATen hands it to MKL's vector math (VML), whose
+  results are not exact-rounded and differ between an Intel and an AMD CPU (the
+  one op that split the vendors' training: docs/cpu-profile.md). The override
+  computes it with NumPy's ufunc, that is the CPU's square-root instruction,
+  exact-rounded by IEEE 754 on every x86-64.
 
 Other dtypes than float32 and float64, and other convolutions (1-D, 3-D,
 grouped, transposed), go to torch's own CPU kernel, captured before the
-override. What is not routed (``mv``/``addmv``, linear algebra, MKL's VML
+override. What is not routed (``mv``/``addmv``, linear algebra, MKL's other VML
 functions) is listed in docs/cpu-profile.md; a training step that reaches
-MKL's BLAS shows up in ``MKL_VERBOSE`` (tests/test_portable_kernels.py).
+MKL's BLAS shows up in ``MKL_VERBOSE``, one that reaches VML by the op's name
+(:data:`~reprotrain.cpuprofile.MKL_VML_OPS`; tests/test_portable_kernels.py).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from reprotrain.cpuprofile import OPENBLAS_VARIABLES, ROUTED, ROW_BLOCK
@@ -343,6 +350,32 @@ def _bernoulli(
     return x.bernoulli_(torch.full(x.shape, p, dtype=torch.float64), generator=generator)
 
 
+def _ieee_sqrt(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = sqrt(x)`` rounded as IEEE 754 requires, through NumPy's ufunc: the
+    CPU's own square-root instruction, whose result is exact-rounded on every x86-64."""
+    with np.errstate(invalid="ignore"):  # a negative gives NaN, as torch's does
+        np.sqrt(x.detach().numpy(), out=out.detach().numpy())
+    return out
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    if not _pinned(x):
+        return _torchs_kernel("sqrt", x)
+    return _ieee_sqrt(x, torch.empty_like(x))
+
+
+def _sqrt_(x: torch.Tensor) -> torch.Tensor:
+    return _ieee_sqrt(x, x) if _pinned(x) else _torchs_kernel("sqrt_", x)
+
+
+def _sqrt_out(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    if not _pinned(x, out):
+        return _torchs_kernel("sqrt.out", x, out=out)
+    if out.shape != x.shape:
+        out.resize_(x.shape)
+    return _ieee_sqrt(x, out)
+
+
 _KERNELS: dict[str, Callable[..., Any]] = {
     "mm": _mm,
     "addmm": _addmm,
@@ -351,6 +384,9 @@ _KERNELS: dict[str, Callable[..., Any]] = {
     "convolution": _convolution,
     "convolution_backward": _convolution_backward,
     "bernoulli_.float": _bernoulli,
+    "sqrt": _sqrt,
+    "sqrt_": _sqrt_,
+    "sqrt.out": _sqrt_out,
 }
 
 

@@ -3,20 +3,36 @@
     MKL_VERBOSE=1 python mkl_calls.py digits|lm portable|native
 
 Prints ``MARK start`` and ``MARK stepped`` around the steps (forward, loss, backward,
-optimizer step), so the MKL lines between them are the steps' own calls. The caller
-exports the profile's variables (they only work from process start).
+optimizer step), so the MKL lines between them are the steps' own calls, then ``OPS``
+and the aten overloads the steps called (``sqrt``, ``sqrt_``, ``sqrt.out``), as JSON.
+The caller exports the profile's variables (they only work from process start).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from reprotrain.cpuprofile import CpuProfile
 from reprotrain.determinism import configure_determinism
 from reprotrain.recipes.digits import Classifier
 from reprotrain.recipes.language_model import TinyGPT
+
+
+class _Calls(TorchDispatchMode):
+    """The aten overloads called, named as ``torch.library`` names them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        overload = func._overloadname
+        self.names.add(func._opname + ("" if overload == "default" else f".{overload}"))
+        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:
@@ -31,12 +47,14 @@ def main() -> None:
     optimizer = model.configure_optimizers()
     model.train()
     print("MARK start", flush=True)
-    for step in range(2):
-        loss = model.training_step(batch, step)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    with _Calls() as calls:
+        for step in range(2):
+            loss = model.training_step(batch, step)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
     print("MARK stepped", flush=True)
+    print("OPS", json.dumps(sorted(calls.names)), flush=True)
 
 
 if __name__ == "__main__":
