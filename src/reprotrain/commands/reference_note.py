@@ -64,7 +64,8 @@ def reference_note(repo: Path, record: Path) -> str | None:
         return None
     fields = ", ".join(f"{d.key} {d.a} -> {d.b}" for d in moving)
     return (
-        f"reprotrain: note: {record}: the committed reference was made on another kind of "
-        f"machine ({fields}, which moves the bits), so this run's dvc.lock and reports/ differ "
+        f"reprotrain: note: {record}: the committed reference was made under another deciding "
+        f"record ({fields}, which moves the bits: another kind of machine, or a change to the "
+        "kernels or the lock not committed yet), so this run's dvc.lock and reports/ differ "
         "from it; `make check-reference` gives the verdict (docs/cpu-profile.md)"
     )
