@@ -81,7 +81,9 @@ def _child(what: str) -> float:
     from reprotrain.cpuprofile import CpuProfile
 
     profile = CpuProfile("native" if what == "native" else "portable")
-    env = {**os.environ, **profile.variables(), "PYTHONHASHSEED": "0"}
+    pins = {*CpuProfile("portable").variables(), *profile.variables()}  # none left from a shell
+    env = {k: v for k, v in os.environ.items() if k not in pins}
+    env.update(profile.variables(), PYTHONHASHSEED="0")
     done = subprocess.run(
         [sys.executable, __file__, "--child", what], env=env, capture_output=True, text=True,
         check=True,

@@ -6,7 +6,8 @@ tokens, width 64 and 144; the digits network's convolutions; dropout's mask; the
 root of Adam's update over every float32 exponent) and prints
 the first 16 hex digits of the sha256 of its outputs, then one line over all rows. Inputs
 are integers from a seeded ``torch.Generator`` divided by 251 (IEEE division rounds the
-same on every CPU): the same bits anywhere, and their sums round, so a sum's order shows.
+same on every CPU): the same bits anywhere, and their sums round, so a sum's order shows;
+the square root's are seeded bit patterns of positive float32s.
 The same rows follow with torch's own kernels (the profile's kernels off: MKL, oneDNN
 off), the control, whose digits differ between vendors where MKL's do. Equal
 ``portable`` digits on two hosts = the routed kernels give the same bits there;

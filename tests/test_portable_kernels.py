@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -160,27 +162,62 @@ def _square_root_inputs(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([x, torch.tensor(specials, dtype=torch.float64)]).to(dtype)
 
 
+def _exact_roots(x: torch.Tensor) -> torch.Tensor:
+    """The exact-rounded roots, made without the kernel under test: float32's from the
+    float64 root (53 >= 2 * 24 + 2 bits: rounding twice is exact), float64's checked
+    against rational arithmetic: r is the root iff x lies between the squares of r's
+    half-ulp neighbours (a tie cannot occur: a float's square root is never halfway)."""
+    roots = torch.from_numpy(np.sqrt(x.double().numpy()))
+    if x.dtype == torch.float32:
+        return roots.float()
+    for value, root in zip(x[::97].tolist(), roots[::97].tolist(), strict=True):
+        if not 0 < value < math.inf:
+            continue
+        half = Fraction(math.ulp(root)) / 2
+        assert (Fraction(root) - half) ** 2 <= Fraction(value) <= (Fraction(root) + half) ** 2
+    return roots
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_routed_square_root_rounds_as_ieee_requires(routed: None, dtype: torch.dtype) -> None:
-    """Adam's sqrt: NumPy's ufunc runs the CPU's square-root instruction, which IEEE 754
-    makes exact-rounded on every x86-64; MKL's vector math, torch's kernel, is not."""
+    """Adam's sqrt: the routed kernel (the CPU's square-root instruction through NumPy)
+    gives the exact-rounded root; MKL's vector math, torch's kernel, does not."""
     x = _square_root_inputs(dtype)
-    with np.errstate(invalid="ignore"):
-        want = torch.from_numpy(np.sqrt(x.numpy()))
+    want = _exact_roots(x)
     bits = torch.int32 if dtype == torch.float32 else torch.int64
+    number = ~want.isnan()
     out, in_place = torch.empty(0, dtype=dtype), x.clone()
     for got in (torch.sqrt(x), torch.sqrt(x, out=out), in_place.sqrt_()):
         assert torch.equal(got.isnan(), want.isnan())  # NaN's sign is the CPU's: not compared
-        assert torch.equal(got[~want.isnan()].view(bits), want[~want.isnan()].view(bits))
-    grid = x[:200_000].reshape(400, 500).t()  # strided
-    assert torch.equal(
-        torch.sqrt(grid).reshape(-1).view(bits),
-        want[:200_000].reshape(400, 500).t().reshape(-1).view(bits),
-    )
+        assert torch.equal(got[number].view(bits), want[number].view(bits))
+    grid, grid_want = x[:200_000].reshape(400, 500), want[:200_000].reshape(400, 500)
+    strided_out = torch.empty(500, 800, dtype=dtype)[:, ::2]
+    torch.sqrt(grid.t(), out=strided_out)  # a transposed input into a strided output
+    assert torch.equal(strided_out.view(bits), grid_want.t().contiguous().view(bits))
+    assert torch.equal(torch.sqrt(x[5:6].expand(3)), want[5:6].expand(3))
     assert torch.sqrt(x.to(torch.bfloat16)).dtype == torch.bfloat16  # torch's kernel takes it
     assert "portable_kernels.py" in _cpu_kernel("sqrt")  # not torch's kernel
     portable_kernels.disable()
     assert _cpu_kernel("sqrt") == repr(portable_kernels._torchs["sqrt"])  # off: torch's again
+    theirs = torch.sqrt(x)  # the control: MKL's roots are not all exact, so the check can fail
+    assert not torch.equal(theirs[number].view(bits), want[number].view(bits)), "MKL was exact"
+
+
+def test_the_routed_square_root_promotes_casts_and_refuses_as_torch_does(routed: None) -> None:
+    ints = torch.arange(1000)
+    assert torch.equal(torch.sqrt(ints), _exact_roots(ints.float()))  # integers: float32
+    into = torch.empty(1000, dtype=torch.float64)
+    torch.sqrt(ints.float(), out=into)  # computed in float32, then cast
+    assert torch.equal(into, _exact_roots(ints.float()).double())
+    memory = torch.arange(5.0)
+    for write in (
+        lambda: torch.full((1,), 4.0).expand(3).sqrt_(),  # one element written three times
+        lambda: torch.sqrt(memory[:-1], out=memory[1:]),  # reads what it writes
+        lambda: torch.sqrt(memory, out=torch.empty(5, dtype=torch.long)),  # float into long
+        lambda: torch.arange(4).sqrt_(),  # a float result into integers
+    ):
+        with pytest.raises(RuntimeError):
+            write()
 
 
 def test_every_routed_op_has_a_kernel() -> None:

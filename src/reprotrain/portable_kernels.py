@@ -358,22 +358,57 @@ def _ieee_sqrt(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _root_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The float dtype torch computes ``sqrt(x)`` in, where the routed kernel takes it:
+    ``x``'s own (float32, float64), or the default one for integers and bools (as torch
+    promotes them); None for half, bfloat16 and complex (no MKL there: torch's kernel)."""
+    dtype = x.dtype if x.is_floating_point() or x.is_complex() else torch.get_default_dtype()
+    return dtype if dtype in (torch.float32, torch.float64) else None
+
+
+def _writes_safely(out: torch.Tensor, x: torch.Tensor) -> bool:
+    """No element of ``out`` is written twice, and ``out`` shares no memory with ``x``
+    unless it is ``x`` itself: else torch's kernel, which raises as it does natively."""
+    if torch._debug_has_internal_overlap(out) == 1:
+        return False
+    if out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+        return True
+    same = (out.data_ptr(), out.shape, out.stride()) == (x.data_ptr(), x.shape, x.stride())
+    return same and out.dtype == x.dtype
+
+
 def _sqrt(x: torch.Tensor) -> torch.Tensor:
-    if not _pinned(x):
+    dtype = _root_dtype(x)
+    if dtype is None:
         return _torchs_kernel("sqrt", x)
+    x = x.to(dtype)  # integers: torch promotes them so
     return _ieee_sqrt(x, torch.empty_like(x))
 
 
 def _sqrt_(x: torch.Tensor) -> torch.Tensor:
-    return _ieee_sqrt(x, x) if _pinned(x) else _torchs_kernel("sqrt_", x)
+    if _root_dtype(x) != x.dtype or not _writes_safely(x, x):
+        return _torchs_kernel("sqrt_", x)
+    return _ieee_sqrt(x, x)
 
 
 def _sqrt_out(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
-    if not _pinned(x, out):
-        return _torchs_kernel("sqrt.out", x, out=out)
+    dtype = _root_dtype(x)
+    floats = (torch.float32, torch.float64)
+    if dtype is None or out.dtype not in floats or not _writes_safely(out, x):
+        return _torchs_kernel("sqrt.out", x, out=out)  # it raises where torch's raises
     if out.shape != x.shape:
+        if out.numel():  # as torch's out= warns
+            warnings.warn(
+                f"An output with one or more elements was resized since it had shape "
+                f"{list(out.shape)}, which does not match the required output shape "
+                f"{list(x.shape)}. This behavior is deprecated.",
+                UserWarning,
+                stacklevel=2,
+            )
         out.resize_(x.shape)
-    return _ieee_sqrt(x, out)
+    if out.dtype != dtype:  # computed in the input's dtype, then cast, as torch does
+        return out.copy_(_sqrt(x))
+    return _ieee_sqrt(x.to(dtype), out)
 
 
 _KERNELS: dict[str, Callable[..., Any]] = {

@@ -4,7 +4,9 @@
 
 Prints ``MARK start`` and ``MARK stepped`` around the steps (forward, loss, backward,
 optimizer step), so the MKL lines between them are the steps' own calls, then ``OPS``
-and the aten overloads the steps called (``sqrt``, ``sqrt_``, ``sqrt.out``), as JSON.
+and the aten overloads the steps called (``sqrt``, ``sqrt_``, ``sqrt.out``), as JSON:
+those the dispatcher saw, not an op a kernel calls inside itself (the shipped recipes'
+optimizers run one tensor at a time on the CPU, no ``_foreach_`` kernel).
 The caller exports the profile's variables (they only work from process start).
 """
 

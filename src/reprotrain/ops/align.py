@@ -19,11 +19,12 @@ or outputs differ is classified:
 - ``sequence``: the call sequences part (an extra or missing op, another
   branch); both sides' ops at that point are named.
 
-Past the first difference, every op whose inputs all agree and whose output
-differs is counted by name (``kernels``), up to where the call sequences part:
-the whole set of kernels that give other bits on the two sides (an op whose
-input already differed says nothing about its kernel). Between two CPUs this
-names every kernel that splits them, not only the first (docs/cpu-profile.md).
+Past the first difference, every op whose inputs are shown equal and whose
+output differs is counted by name (``kernels``), up to where the call sequences
+part (an op whose input already differed says nothing about its kernel, nor
+does one downstream of any difference: the count is conservative, and an op
+reading unwritten memory is not counted). Between two CPUs this names the
+kernels that split them beyond the first (docs/cpu-profile.md).
 
 Recordings of different models, different steps or different world sizes, a
 file that is not a recording, and a newer format raise :class:`OpRecordError`
@@ -256,6 +257,8 @@ def _kernels(a: LoadedRecording, b: LoadedRecording) -> tuple[dict[str, int], in
             tainted[i] = True
         elif np.array_equal(a.op_outputs(i), b.op_outputs(i)):
             agreeing += 1
+        elif any(_allocated(a, row) for row in ins_a):  # unwritten memory, not the kernel
+            tainted[i] = True
         else:
             tainted[i] = True
             name = a.op(i)["op"]
