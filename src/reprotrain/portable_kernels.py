@@ -210,10 +210,14 @@ def _batched(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, be
     _run(_calls(a, b, c, alpha, beta))
 
 
+#: The dtypes the pinned kernels (OpenBLAS's GEMM, the CPU's square root) compute in.
+FLOATS = frozenset({torch.float32, torch.float64})
+
+
 def _pinned(*tensors: torch.Tensor | None) -> bool:
     """Whether the pinned GEMM takes these operands: float32 or float64, one dtype."""
     dtypes = {t.dtype for t in tensors if t is not None}
-    return len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64}
+    return len(dtypes) == 1 and dtypes <= FLOATS
 
 
 def _torchs_kernel(name: str, *args: Any, **kwargs: Any) -> Any:
@@ -363,7 +367,7 @@ def _root_dtype(x: torch.Tensor) -> torch.dtype | None:
     ``x``'s own (float32, float64), or the default one for integers and bools (as torch
     promotes them); None for half, bfloat16 and complex (no MKL there: torch's kernel)."""
     dtype = x.dtype if x.is_floating_point() or x.is_complex() else torch.get_default_dtype()
-    return dtype if dtype in (torch.float32, torch.float64) else None
+    return dtype if dtype in FLOATS else None
 
 
 def _writes_safely(out: torch.Tensor, x: torch.Tensor) -> bool:
@@ -393,8 +397,7 @@ def _sqrt_(x: torch.Tensor) -> torch.Tensor:
 
 def _sqrt_out(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
     dtype = _root_dtype(x)
-    floats = (torch.float32, torch.float64)
-    if dtype is None or out.dtype not in floats or not _writes_safely(out, x):
+    if dtype is None or out.dtype not in FLOATS or not _writes_safely(out, x):
         return _torchs_kernel("sqrt.out", x, out=out)  # it raises where torch's raises
     if out.shape != x.shape:
         if out.numel():  # as torch's out= warns

@@ -188,17 +188,26 @@ def _inputs_diagnosis(passed_here: int, differing: int) -> str:
     return "the inputs already differed; the cause is upstream of this op"
 
 
+def _differing_inputs(
+    a: LoadedRecording, b: LoadedRecording, i: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Op ``i``'s input rows in each recording, and the positions whose fingerprints
+    differ (None: the op took another number of inputs)."""
+    ins_a, ins_b = a.op_inputs(i), b.op_inputs(i)
+    if len(ins_a) != len(ins_b):
+        return ins_a, ins_b, None
+    return ins_a, ins_b, np.nonzero(a.values[ins_a[:, 1]] != b.values[ins_b[:, 1]])[0]
+
+
 def _compare_rank(a: LoadedRecording, b: LoadedRecording) -> OpDiff | int:
     """The first difference in one rank's streams, or the number of ops compared."""
     n = min(len(a.ops), len(b.ops))
     for i in range(n):
         if _signature(a, i) != _signature(b, i):
             return _parted(a, b, i)
-        ins_a, ins_b = a.op_inputs(i), b.op_inputs(i)
-        if len(ins_a) != len(ins_b):
+        ins_a, ins_b, differing = _differing_inputs(a, b, i)
+        if differing is None:
             return _parted(a, b, i)
-        va, vb = a.values[ins_a[:, 1]], b.values[ins_b[:, 1]]
-        differing = np.nonzero(va != vb)[0]
         if len(differing):
             order = [k for k in differing if ins_a[k, 2] >= 0 and ins_a[k, 2] != ins_b[k, 2]]
             texts = [_describe(a, ins_a[k]) for k in differing]
@@ -246,10 +255,10 @@ def _kernels(a: LoadedRecording, b: LoadedRecording) -> tuple[dict[str, int], in
     for i in range(len(tainted)):
         if _signature(a, i) != _signature(b, i):
             break
-        ins_a, ins_b = a.op_inputs(i), b.op_inputs(i)
+        ins_a, ins_b, differing = _differing_inputs(a, b, i)
         same = (
-            len(ins_a) == len(ins_b)
-            and np.array_equal(a.values[ins_a[:, 1]], b.values[ins_b[:, 1]])
+            differing is not None
+            and not len(differing)
             and np.array_equal(ins_a[:, 2], ins_b[:, 2])
         )
         producers = ins_a[:, 2][ins_a[:, 2] >= 0]
