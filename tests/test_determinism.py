@@ -66,6 +66,38 @@ def test_same_seed_same_streams_and_other_seed_differs() -> None:
     assert draw(11) != draw(12)
 
 
+@pytest.mark.parametrize("seed", [0, 42, 2**32 - 1])
+def test_seeding_leaves_what_lightnings_seed_everything_leaves(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """configure_determinism seeds without importing Lightning; it must leave the same
+    generator states and variables as Lightning's seed_everything(seed, workers=True)."""
+    from lightning.fabric.utilities.seed import seed_everything
+
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # put back after the test
+        monkeypatch.setenv(name, "unset")
+
+    def state() -> tuple:
+        numpy_state = np.random.get_state()
+        return (
+            random.getstate(),
+            (numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]),
+            torch.get_rng_state().tolist(),
+            os.environ["PL_GLOBAL_SEED"],
+            os.environ["PL_SEED_WORKERS"],
+        )
+
+    seed_everything(seed, workers=True, verbose=False)
+    lightnings = state()
+    seed_everything((seed + 1) % 2**32, workers=True, verbose=False)
+    assert state() != lightnings  # the control: another seed leaves other states
+    determinism.seed_at_start(seed)
+    assert state() == lightnings
+    for out_of_bounds in (-1, 2**32):  # refused, as numpy (and Lightning) refuse them
+        with pytest.raises(ValueError):
+            determinism.seed_at_start(out_of_bounds)
+
+
 @pytest.mark.parametrize("seed", [0, 7, 2**63 - 1, 2**64 - 1])
 def test_seed_all_seeds_torch_as_manual_seed_does(seed: int) -> None:
     torch.manual_seed(seed)

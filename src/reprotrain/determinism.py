@@ -264,9 +264,8 @@ def configure_determinism(
             refuse_or_warn(mode, "cannot guarantee determinism: " + "; ".join(problems))
 
     import torch
-    from lightning.fabric.utilities.seed import seed_everything
 
-    seed_everything(seed, workers=True, verbose=False)
+    seed_at_start(seed)
     if enabled:
         _install_explaining_excepthook()
     torch.use_deterministic_algorithms(enabled, warn_only=mode == "warn")
@@ -292,11 +291,32 @@ def configure_determinism(
     )
 
 
+def seed_at_start(seed: int) -> None:
+    """Seed as Lightning's ``seed_everything(seed, workers=True)`` does, without importing
+    Lightning (about 2 s of a plain script's start): the same generators from the same
+    integer, and ``PL_GLOBAL_SEED`` / ``PL_SEED_WORKERS``, which Lightning's Trainer and
+    worker init function read. tests/test_determinism.py checks it leaves the very states
+    and variables Lightning's function leaves."""
+    import random
+
+    import numpy as np
+    import torch
+
+    seed = int(seed)
+    if not 0 <= seed <= np.iinfo(np.uint32).max:  # numpy's bounds, as Lightning checks
+        raise ValueError(f"seed {seed} is out of bounds: give 0 to {np.iinfo(np.uint32).max}")
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    os.environ["PL_SEED_WORKERS"] = "1"
+
+
 def seed_all(seed: int) -> None:
     """Seed python, numpy and torch (CPU and every CUDA device) from one integer, now.
 
     For re-seeding inside a run (a micro-batch, a replayed step); at process
-    start :func:`configure_determinism` seeds through Lightning, workers included.
+    start :func:`configure_determinism` seeds with :func:`seed_at_start`, workers included.
     """
     import random
 
