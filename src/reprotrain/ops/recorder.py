@@ -18,7 +18,9 @@ left out. One file per rank, in the format of :mod:`reprotrain.ops.opfile`,
 written when the window's last step ends.
 
 Use it with one line: ``OpRecorder()`` as a Lightning callback, or ``with
-record_step(model, step, optimizer):`` around each step of a plain loop. With
+record_step(model, step, optimizer):`` around each step of a plain loop. The
+callback lives in :mod:`reprotrain.ops.callback` and is imported from here on
+first use, so a plain loop that records its steps imports no Lightning. With
 no window given, both read ``REPROTRAIN_RECORD_OPS`` ("3" or "3-5") and
 ``REPROTRAIN_OPS_DIR`` (default ``ops``), which ``reprotrain verify -- CMD``
 sets; when neither asks for a step they install nothing and cost nothing.
@@ -37,17 +39,29 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch import Callback
 from torch.utils._pytree import tree_flatten
 
 from reprotrain.ops.capture import label_all, recording_step
 from reprotrain.ops.opfile import DIR_VARIABLE, WINDOW_VARIABLE, recording_dir, recording_path
 from reprotrain.ops.recording import Recording
 
+if TYPE_CHECKING:  # at run time, __getattr__ below imports it (and Lightning) on first use
+    from reprotrain.ops.callback import OpRecorder
+
 __all__ = ["DIR_VARIABLE", "WINDOW_VARIABLE", "OpRecorder", "parse_window", "record_step"]
+
+
+def __getattr__(name: str) -> Any:
+    """``OpRecorder`` (the documented ``reprotrain.ops.recorder.OpRecorder``), imported with
+    Lightning only when asked for."""
+    if name == "OpRecorder":
+        from reprotrain.ops.callback import OpRecorder
+
+        return OpRecorder
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parse_window(text: str) -> tuple[int, int]:
@@ -111,70 +125,3 @@ def record_step(
     if step == window[1]:
         _unfinished.clear()
         recording.write(recording_path(recording_dir(out), 0))
-
-
-class OpRecorder(Callback):
-    """Lightning callback: records the ops of the window's optimizer steps, per rank.
-
-    A recorded step is entered in ``on_train_batch_start`` and left in
-    ``on_train_batch_end``; a fit that raises leaves it through ``on_exception``
-    (and ``teardown`` covers any other way out), unwritten.
-    """
-
-    def __init__(self, steps: tuple[int, int] | None = None, out: str | Path | None = None):
-        self.window = _window_from_env(steps)
-        self.out = recording_dir(out)
-        self.recording: Recording | None = None
-        self._step: contextlib.ExitStack | None = None  # the recorded step, while it runs
-
-    def _active(self, trainer: Any) -> bool:
-        return self.window is not None and self.window[0] <= trainer.global_step <= self.window[1]
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._leave_step()  # none should be open; if one is, it goes first
-        if not self._active(trainer):
-            return
-        if self.recording is None:
-            self.recording = Recording(pl_module, trainer.global_rank, trainer.world_size)
-        label_all(self.recording, pl_module, trainer.optimizers)
-        _label_batch(self.recording, batch)
-        step = contextlib.ExitStack()
-        step.enter_context(recording_step(self.recording, trainer.global_step))
-        self._step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._step is None:
-            return
-        self._leave_step()
-        if trainer.global_step > self.window[1]:  # the window's last optimizer step is done
-            self._write()
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        self._leave_step()  # left open by a batch the module skipped (on_train_batch_start: -1)
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self._leave_step()
-        self._write()
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._leave_step(exception)
-        self.recording = None  # a fit that failed writes no recording
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        if self._step is not None:  # left by a way out that no other hook saw
-            self._leave_step()
-            self.recording = None
-
-    def _leave_step(self, error: BaseException | None = None) -> None:
-        step, self._step = self._step, None
-        if step is None:
-            return
-        if error is None:
-            step.close()
-        else:
-            step.__exit__(type(error), error, error.__traceback__)
-
-    def _write(self) -> None:
-        if self.recording is not None and self.recording.ops:
-            self.recording.write(recording_path(self.out, self.recording.rank))
-        self.recording = None
