@@ -103,7 +103,7 @@ SETTINGS = (
 )
 TRACE = (
     ["--repeats", "3", "--epochs", "2", "--mlp-steps", "128"],
-    ["--repeats", "1", "--epochs", "1", "--mlp-steps", "0"],
+    ["--repeats", "1", "--epochs", "1", "--mlp-steps", "0", "--steps", "8"],
 )
 
 

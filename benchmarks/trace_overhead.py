@@ -33,7 +33,7 @@ when its weight rows went through torch's int8 matmul at 0.2 GB/s; now a
 float32 GEMM, about 0.6 GB/s), still above the 1.03 target.
 
     .venv/bin/python benchmarks/trace_overhead.py [--repeats 5] [--epochs 3] [--mlp-steps 64]
-        [--threads N] [--accelerator cpu|gpu] [--json PATH] [--workload lm|digits]
+        [--steps N] [--threads N] [--accelerator cpu|gpu] [--json PATH] [--workload lm|digits]
 """
 
 from __future__ import annotations
@@ -140,8 +140,10 @@ def timed_fit(
     epochs: int,
     work: Path,
     accelerator: str,
+    steps: int | None = None,
 ) -> tuple[float, float]:
-    """(mean step time, mean time inside the trace hooks per step) of one fit."""
+    """(mean step time, mean time inside the trace hooks per step) of one fit of ``epochs``
+    epochs of at most ``steps`` batches each (None: whole epochs)."""
     settings = configure_determinism(42, True)
     module, data = build()
     timer = StepTimer()
@@ -153,6 +155,7 @@ def timed_fit(
         accelerator=accelerator,
         devices=1,
         max_epochs=epochs,
+        limit_train_batches=steps or 1.0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -170,16 +173,21 @@ def timed_fit(
 
 
 def measure(
-    name: str, build: Callable[[], tuple[Any, Any]], epochs: int, repeats: int, accelerator: str
+    name: str,
+    build: Callable[[], tuple[Any, Any]],
+    epochs: int,
+    repeats: int,
+    accelerator: str,
+    steps: int | None = None,
 ) -> dict[str, Any]:
     """Print the table for one model; return its figures (ratios to tracing off)."""
     with tempfile.TemporaryDirectory() as tmp:
         for mode in MODES:  # warm-up: thread pools, allocator, first-call costs
-            timed_fit(build, mode, epochs, Path(tmp), accelerator)
+            timed_fit(build, mode, epochs, Path(tmp), accelerator, steps)
         runs: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
         for _ in range(repeats):
             for mode in MODES:
-                runs[mode].append(timed_fit(build, mode, epochs, Path(tmp), accelerator))
+                runs[mode].append(timed_fit(build, mode, epochs, Path(tmp), accelerator, steps))
     step = {mode: statistics.median(s for s, _ in values) for mode, values in runs.items()}
     low = {mode: min(s for s, _ in values) for mode, values in runs.items()}
     print(f"{name}: {repeats} interleaved repeats")
@@ -231,6 +239,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=3, help="epochs of the pipeline model")
     parser.add_argument("--mlp-steps", type=int, default=64, help="steps per MLP fit (0: no MLP)")
+    parser.add_argument(
+        "--steps", type=int, help="at most this many batches per pipeline epoch (a dry run)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--workers", type=int, default=0, help="pipeline DataLoader workers")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
@@ -257,7 +268,9 @@ def main() -> None:
         size = sum(p.numel() for p in pipeline_model()[0].parameters())
         model = recipe.model.class_path.rpartition(".")[2]
         name = f"pipeline {model} ({size:,} parameters, default params, {cli.workers} workers)"
-        results = [measure(name, pipeline_model, cli.epochs, cli.repeats, cli.accelerator)]
+        results = [
+            measure(name, pipeline_model, cli.epochs, cli.repeats, cli.accelerator, cli.steps)
+        ]
 
     if cli.mlp_steps > 0:
         results.append(measure_mlp(cli.mlp_steps, cli.repeats, cli.accelerator))

@@ -24,7 +24,6 @@ from torch.nn import functional as F
 from reprotrain.commands._rerun import ensure_prepared
 from reprotrain.pipeline.command import stage_arguments
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.data import first_batches
 from reprotrain.pipeline.recipe import build, resolve_recipe
 
 #: Mode -> (deterministic algorithms and cudnn.deterministic, cudnn.benchmark).
@@ -104,7 +103,11 @@ def pipeline_workload(
     ``dvc_yaml``: the pipeline whose train stage's data files are prepared first where
     missing; ``None`` (or no such file) for data the recipe reads itself.
     """
+    # Lightning here, not at the top: the conv workload (and so `bench --workload conv`
+    # and its children) trains without it and skips its import.
     from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    from reprotrain.pipeline.data import first_batches
 
     # Inside a pipeline: its data files, prepared if missing.
     if dvc_yaml is not None and dvc_yaml.is_file():
