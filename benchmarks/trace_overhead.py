@@ -156,6 +156,7 @@ def timed_fit(
         devices=1,
         max_epochs=epochs,
         limit_train_batches=steps or 1.0,
+        limit_val_batches=steps or 1.0,  # validation is not timed
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -240,7 +241,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="epochs of the pipeline model")
     parser.add_argument("--mlp-steps", type=int, default=64, help="steps per MLP fit (0: no MLP)")
     parser.add_argument(
-        "--steps", type=int, help="at most this many batches per pipeline epoch (a dry run)"
+        "--steps", type=int, help="at most this many batches per epoch, train and val (a dry run)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--workers", type=int, default=0, help="pipeline DataLoader workers")
