@@ -10,6 +10,9 @@ a training process loads before it builds a model). Beside each, from one
 torchmetrics) and torch. ``prepare (before)`` is the same prepare with the
 loaders' module imported first, as the stage did until it read the prepared
 file through :mod:`reprotrain.pipeline.prepared`: the ratio is this change's.
+``plain loop's set-up`` is what a plain PyTorch script that records its steps
+adds (``configure_determinism`` and ``record_step``); ``(before)`` imports
+Lightning first, as both did until they stopped needing it.
 
     .venv/bin/python benchmarks/startup.py [--repeats 5]
 """
@@ -28,6 +31,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "from reprotrain.cli import main; import sys; sys.exit(main(sys.argv[1:]))"
+#: What a plain PyTorch script adds to record its steps (docs/any-script.md): the recorder
+#: and configure_determinism. Before, both imported Lightning (the seeding, the callback).
+PLAIN = (
+    "from reprotrain.determinism import configure_determinism; "
+    "from reprotrain.ops.recorder import record_step; configure_determinism(0, True)"
+)
 
 
 def commands(work: Path) -> dict[str, tuple[list[str], Path]]:
@@ -46,6 +55,8 @@ def commands(work: Path) -> dict[str, tuple[list[str], Path]]:
             work,
         ),
         "train's imports": (["-c", "import reprotrain.pipeline.training"], work),
+        "plain loop's set-up": (["-c", PLAIN], work),
+        "plain loop's set-up (before)": (["-c", "import lightning.pytorch; " + PLAIN], work),
     }
 
 
@@ -84,15 +95,16 @@ def main() -> None:
                 times[name].append(run(argv, cwd)[0])
         logs = {name: run(argv, cwd, "-X", "importtime")[1] for name, (argv, cwd) in cases.items()}
     print(f"start-up, median of {args.repeats} interleaved fresh processes")
-    print(f"  {'command':26s} {'wall s':>7s} {'Lightning s':>12s} {'torch s':>8s}")
+    print(f"  {'command':30s} {'wall s':>7s} {'Lightning s':>12s} {'torch s':>8s}")
     for name, values in times.items():
         light = sum(package_seconds(logs[name], p) for p in ("lightning", "torchmetrics"))
         print(
-            f"  {name:26s} {statistics.median(values):7.2f} {light:12.2f}"
+            f"  {name:30s} {statistics.median(values):7.2f} {light:12.2f}"
             f" {package_seconds(logs[name], 'torch'):8.2f}"
         )
-    ratio = statistics.median(times["prepare"]) / statistics.median(times["prepare (before)"])
-    print(f"prepare now / before: {ratio:.2f}")
+    for name in ("prepare", "plain loop's set-up"):
+        ratio = statistics.median(times[name]) / statistics.median(times[f"{name} (before)"])
+        print(f"{name} now / before: {ratio:.2f}")
 
 
 if __name__ == "__main__":

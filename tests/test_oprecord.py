@@ -232,7 +232,8 @@ def test_reading_recordings_imports_no_lightning_and_no_dynamo() -> None:
         "print(sorted(m for m in ('lightning', 'torch._dynamo') if m in sys.modules))"
     )
     seen = {}
-    for module in ("reprotrain.ops.align", "reprotrain.ops.recorder", "reprotrain.ops.callback"):
+    modules = ("reprotrain.ops.align", "reprotrain.ops.recorder", "reprotrain.ops.fit_recorder")
+    for module in modules:
         done = subprocess.run(
             [sys.executable, "-c", code.format(module=module)],
             capture_output=True, text=True, check=True, cwd=ROOT,
@@ -241,7 +242,7 @@ def test_reading_recordings_imports_no_lightning_and_no_dynamo() -> None:
     assert seen["reprotrain.ops.align"] == "[]"
     assert seen["reprotrain.ops.recorder"] == "['torch._dynamo']"  # its Dynamo skip
     # Negative control: the Lightning callback does load both.
-    assert seen["reprotrain.ops.callback"] == "['lightning', 'torch._dynamo']"
+    assert seen["reprotrain.ops.fit_recorder"] == "['lightning', 'torch._dynamo']"
 
 
 def _global_state() -> dict[str, Any]:

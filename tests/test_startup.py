@@ -1,6 +1,6 @@
 """Start-up: commands that neither train nor build a model import neither Lightning nor
-torchmetrics (5 s of a process's start on the build hosts, paid by every stage of every
-``dvc repro`` and by every CLI test).
+torchmetrics (3-5 s of a process's start on the build hosts, paid by every stage of every
+``dvc repro`` and by every CLI test), nor does a plain PyTorch loop that records its steps.
 
 Each command runs for real under ``python -X importtime``, whose log lists every module
 imported, nested under the module that imported it, so a failure names the chain that
@@ -104,6 +104,21 @@ def test_commands_that_build_no_model_import_no_lightning(tmp_path: Path, comman
     assert done.returncode in ((0, 1) if here else (0,)), done.stderr[-2000:]
     assert heavy_imports(done.stderr) == []
     assert re.search(r"\|\s+reprotrain\.\w+", done.stderr)  # the log was read
+
+
+def test_a_plain_loop_that_records_a_step_imports_no_lightning(tmp_path: Path) -> None:
+    """docs/any-script.md's set-up in a plain PyTorch loop (configure_determinism, and
+    record_step recording step 0) needs no Lightning. Control: the test below."""
+    script = ROOT / "tests" / "scripts" / "fault_loop.py"
+    env = cli_env(PYTHONHASHSEED="0", REPROTRAIN_RECORD_OPS="0", REPROTRAIN_OPS_DIR="ops")
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", script, "--out", tmp_path, "--fault", "none"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert list((tmp_path / "ops").glob("ops-rank0*.safetensors")), "no step was recorded"
+    assert heavy_imports(done.stderr) == []
+    assert re.search(r"\|\s+reprotrain\.ops\.recorder", done.stderr)  # the log was read
 
 
 def test_a_planted_eager_import_is_named_with_the_chain_that_pulled_it_in(

@@ -1,6 +1,7 @@
 """Individual aten ops: record every op of chosen steps, align two recordings, probe ops.
 
-``recorder`` (Lightning callback and context manager) records steps through
+``recorder`` (a context manager for plain loops; ``fit_recorder`` the same as a
+Lightning callback, exported by ``recorder`` on first use) records steps through
 ``capture`` (the dispatch mode and hooks), into a ``recording`` (the tables
 and fingerprints; ``location`` names each op's source line), written in the
 format ``opfile`` defines; ``align`` reads two of them through ``opfile`` (no

@@ -19,7 +19,7 @@ written when the window's last step ends.
 
 Use it with one line: ``OpRecorder()`` as a Lightning callback, or ``with
 record_step(model, step, optimizer):`` around each step of a plain loop. The
-callback lives in :mod:`reprotrain.ops.callback` and is imported from here on
+callback lives in :mod:`reprotrain.ops.fit_recorder` and is imported from here on
 first use, so a plain loop that records its steps imports no Lightning. With
 no window given, both read ``REPROTRAIN_RECORD_OPS`` ("3" or "3-5") and
 ``REPROTRAIN_OPS_DIR`` (default ``ops``), which ``reprotrain verify -- CMD``
@@ -49,7 +49,7 @@ from reprotrain.ops.opfile import DIR_VARIABLE, WINDOW_VARIABLE, recording_dir, 
 from reprotrain.ops.recording import Recording
 
 if TYPE_CHECKING:  # at run time, __getattr__ below imports it (and Lightning) on first use
-    from reprotrain.ops.callback import OpRecorder
+    from reprotrain.ops.fit_recorder import OpRecorder
 
 __all__ = ["DIR_VARIABLE", "WINDOW_VARIABLE", "OpRecorder", "parse_window", "record_step"]
 
@@ -58,7 +58,7 @@ def __getattr__(name: str) -> Any:
     """``OpRecorder`` (the documented ``reprotrain.ops.recorder.OpRecorder``), imported with
     Lightning only when asked for."""
     if name == "OpRecorder":
-        from reprotrain.ops.callback import OpRecorder
+        from reprotrain.ops.fit_recorder import OpRecorder
 
         return OpRecorder
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
