@@ -68,8 +68,11 @@ def served(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     script.parent.mkdir()
     script.write_text(SCRIPT)
     folder = tmp_path / "z"
-    for _ in range(2):  # the first is seen, the second starts the server: both exec
-        _run(script, folder, "0")
+    first = _run(script, folder, "0")[1]  # seen: an exec
+    second = _run(script, folder, "0")[1]  # starts the server, waits for it, is served
+    assert first["ppid"] == os.getpid(), first  # the requester itself, after its exec
+    servers = [int(p.read_text()) for p in folder.glob("*.pid")]
+    assert second["ppid"] in servers, (second, servers)
     deadline = time.monotonic() + 120
     while not list(folder.glob("*.pid")) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -15,8 +15,9 @@ same signal); if this process dies, the server kills the child's group.
 
 One server per set of start-up variables (:data:`STARTUP`: those an interpreter,
 OpenMP, MKL, OpenBLAS, ATen or CUDA read when they load, and ``PYTHON*``) and
-process context; the first two requests of a set exec as before (the second
-starts its server), later ones are served. A command line with interpreter
+process context; the first request of a set execs as before, the second
+starts its server and waits for it (what its own exec would cost), and it
+and later ones are served. A command line with interpreter
 options (``python -X importtime -m ...``) always execs. A server exits after
 :data:`IDLE_S` seconds without a request. Under ``REPROTRAIN_ZYGOTE`` unset this
 module is never imported.
@@ -56,6 +57,8 @@ STARTUP = (
 #: Modules a served command would import anyway, imported once by the server.
 WARM = ("torch", "lightning", "reprotrain.cli", "reprotrain.pipeline.stages.train")
 IDLE_S = 120.0
+#: Seconds the request that finds its server starting waits for it before it execs.
+START_WAIT_S = 120.0
 #: Signals a waiting requester passes on to the child's process group.
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 _HEADER = struct.Struct("!I")
@@ -135,8 +138,11 @@ def hand_over(argv: list[str], env: dict[str, str]) -> None:
         sock.connect(str(path))
     except OSError:
         sock.close()
-        _start_server(folder, key, argv, env)
-        return
+        if not _start_server(folder, key, argv, env):
+            return
+        sock = _connect_once_up(folder, key)
+        if sock is None:  # the start failed, or took longer than START_WAIT_S: exec
+            return
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     request = {
@@ -182,19 +188,21 @@ def _umask() -> int:
     return mask
 
 
-def _start_server(folder: Path, key: str, argv: list[str], env: dict[str, str]) -> None:
+def _start_server(folder: Path, key: str, argv: list[str], env: dict[str, str]) -> bool:
     """Start the server for ``key`` at its second request (a set of variables seen once, as
-    a test's own, would cost a server's imports for nothing), detached from this process."""
+    a test's own, would cost a server's imports for nothing), detached from this process.
+    False at a first request (exec); True when a server is starting (this or another
+    request started it)."""
     folder.mkdir(parents=True, exist_ok=True)
     try:
         os.close(os.open(folder / f"{key}.seen", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-        return
+        return False
     except FileExistsError:
         pass
     try:
         os.close(os.open(folder / f"{key}.starting", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except FileExistsError:
-        return
+        return True
     server = [argv[0], "-m", "reprotrain._zygote", str(folder / f"{key}.sock")]
     log = os.open(folder / f"{key}.log", os.O_CREAT | os.O_APPEND | os.O_WRONLY, 0o600)
     pid = os.fork()
@@ -211,13 +219,45 @@ def _start_server(folder: Path, key: str, argv: list[str], env: dict[str, str]) 
             os._exit(0)
     os.close(log)
     os.waitpid(pid, 0)
+    return True
+
+
+def _connect_once_up(folder: Path, key: str) -> socket.socket | None:
+    """A connection to ``key``'s server once it listens: waiting costs what an exec would
+    (the same imports), and the request is then served, not paid twice. None when the
+    start ended without a server (its ``.starting`` file gone) or took START_WAIT_S."""
+    path = folder / f"{key}.sock"
+    deadline = time.monotonic() + START_WAIT_S
+    while time.monotonic() < deadline:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+            return sock
+        except OSError:
+            sock.close()
+        if not (folder / f"{key}.starting").exists():
+            return None
+        time.sleep(0.05)
+    return None
 
 
 # --- the server -----------------------------------------------------------------------------
 
 
 def serve(path: Path) -> None:
-    """Import :data:`WARM`, then fork a child per request until idle for :data:`IDLE_S`."""
+    """Import :data:`WARM`, then fork a child per request until idle for :data:`IDLE_S`;
+    whatever ends it (a failed import too) removes its files, so no request waits on it."""
+    try:
+        _serve(path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        for suffix in (".starting", ".pid"):
+            with contextlib.suppress(FileNotFoundError):
+                path.with_suffix(suffix).unlink()
+
+
+def _serve(path: Path) -> None:
     import importlib
 
     for name in WARM:
@@ -232,33 +272,26 @@ def serve(path: Path) -> None:
     selector.register(listener, selectors.EVENT_READ, "listener")
     children: dict[int, tuple[socket.socket, int]] = {}  # pidfd -> (connection, pid)
     last = time.monotonic()
-    try:
-        while children or time.monotonic() - last < IDLE_S:
-            for handle, _ in selector.select(timeout=5.0):
-                if handle.data == "listener":
-                    connection, _ = listener.accept()
-                    last = time.monotonic()
-                    pid = _fork_child(connection, selector)
-                    if pid is None:
-                        connection.close()
-                        continue
-                    pidfd = os.pidfd_open(pid)
-                    children[pidfd] = (connection, pid)
-                    selector.register(pidfd, selectors.EVENT_READ, ("child", pidfd))
-                    selector.register(connection, selectors.EVENT_READ, ("requester", pidfd))
-                elif handle.data[0] == "child":
-                    _reap(handle.data[1], children, selector)
-                    last = time.monotonic()
-                elif handle.data[1] in children:  # the requester closed or died: stop the child
-                    _, pid = children[handle.data[1]]
-                    _signal_group(pid, signal.SIGKILL)
-                    selector.unregister(handle.fileobj)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        for suffix in (".starting", ".pid"):
-            with contextlib.suppress(FileNotFoundError):
-                path.with_suffix(suffix).unlink()
+    while children or time.monotonic() - last < IDLE_S:
+        for handle, _ in selector.select(timeout=5.0):
+            if handle.data == "listener":
+                connection, _ = listener.accept()
+                last = time.monotonic()
+                pid = _fork_child(connection, selector)
+                if pid is None:
+                    connection.close()
+                    continue
+                pidfd = os.pidfd_open(pid)
+                children[pidfd] = (connection, pid)
+                selector.register(pidfd, selectors.EVENT_READ, ("child", pidfd))
+                selector.register(connection, selectors.EVENT_READ, ("requester", pidfd))
+            elif handle.data[0] == "child":
+                _reap(handle.data[1], children, selector)
+                last = time.monotonic()
+            elif handle.data[1] in children:  # the requester closed or died: stop the child
+                _, pid = children[handle.data[1]]
+                _signal_group(pid, signal.SIGKILL)
+                selector.unregister(handle.fileobj)
 
 
 def _reap(pidfd: int, children: dict, selector: selectors.BaseSelector) -> None:
