@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from reprotrain.hashing import sha256_file
 from reprotrain.provenance.attestation import (
     BUILD_TYPES,
     COMMAND_BUILD,
@@ -451,6 +452,10 @@ def test_a_verified_command_rebuilds_to_its_bytes_and_an_input_outside_its_state
     done = _rebuild(repo, keys, rebuilds, attested("plain"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{VERDICT}REBUILT" in done.stdout
+    # Its statement names no lock: the clone's lock's bytes name the environment, so the
+    # pipeline's rebuilds of the same lock made it (when they ran first) and none is made anew.
+    lock = sha256_file(repo / "requirements-cpu.lock")[:12]
+    assert [p.name for p in rebuilds.glob("venv-*")] == [f"venv-{lock}"]
     # Control: its runs were identical, but under a variable the statement does not hold.
     done = _rebuild(repo, keys, rebuilds, attested("planted", PLANT="x"))
     assert done.returncode == 1, done.stdout + done.stderr

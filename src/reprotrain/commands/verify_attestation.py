@@ -178,8 +178,10 @@ def _rebuild(statement: dict[str, Any], args: argparse.Namespace, root: Path) ->
         args.workdir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="reprotrain-rebuild-", dir=args.workdir))
     clone = clone_at(args.repo or facts["repository"], facts["commit"], scratch / "repo")
-    lock = attested["lock"] or {"file": DEFAULT_LOCK, "sha256": "none"}
+    default = {"file": DEFAULT_LOCK, "sha256": _sha256_or_none(clone / DEFAULT_LOCK)}
+    lock = attested["lock"] or default
     # in --workdir, one environment per lock's bytes, kept for the next rebuild of that lock
+    # (a verified command's statement names no lock: the clone's default lock's bytes decide)
     venv = args.workdir / f"venv-{lock['sha256'][:12]}" if args.workdir is not None else None
     variables = clone_environment(clone, lock["file"], fresh=True, venv=venv)
     if statement["predicate"]["buildDefinition"]["buildType"] != PIPELINE_BUILD:
@@ -193,6 +195,12 @@ def _rebuild(statement: dict[str, Any], args: argparse.Namespace, root: Path) ->
         return _unverifiable(differing, clone)
     _run([*dvc, pipeline], clone, variables)
     return _compare_rebuilt(statement, clone, root, scratch, keep=args.workdir is not None)
+
+
+def _sha256_or_none(path: Path) -> str:
+    from reprotrain.hashing import sha256_file
+
+    return sha256_file(path) if path.is_file() else "none"
 
 
 def _rebuild_command(
