@@ -1,7 +1,7 @@
 """The test suite's warm interpreter (src/reprotrain/_zygote.py): a restart it serves is the
 requested process in everything a command sees, ends as the child ends, and never outlives
-its requester. Negative control: without ``REPROTRAIN_ZYGOTE`` the restart is an exec (the
-same process id)."""
+its requester; a DDP rank that Lightning's launcher starts is served too. Negative control:
+without ``REPROTRAIN_ZYGOTE`` the restart is an exec (the same process id)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from reprotrain._zygote import VARIABLE
+from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS
 from tests.helpers import ROOT
 
 #: Restarts as a reprotrain command does, then reports what it sees and does what it is told.
@@ -32,6 +33,15 @@ print("to stderr", file=sys.stderr)
 if "--sleep" in sys.argv:
     time.sleep(60)
 sys.exit(int(sys.argv[1]))
+"""
+
+#: What a DDP rank that Lightning's launcher started does first (reprotrain's CLI does it):
+#: it inherits the fixed variables, so it needs no restart, yet imports what a restart would.
+RANK_SCRIPT = """
+import json, os, sys
+from reprotrain import _zygote
+_zygote.hand_over_rank()
+print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:]}), flush=True)
 """
 
 
@@ -95,6 +105,21 @@ def test_a_served_restart_sees_what_the_exec_would_and_ends_as_the_child(served)
     proc = _start(script, None, "0")
     out, _ = proc.communicate("", timeout=120)
     assert json.loads(out.splitlines()[0])["pid"] == proc.pid
+
+
+def test_a_launched_rank_is_served_and_asks_no_further(served) -> None:
+    script, folder = served
+    rank = script.with_name("rank.py")
+    rank.write_text(RANK_SCRIPT)
+    server = int(next(folder.glob("*.pid")).read_text())
+    fixed = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    fixed["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC_CONFIGS[0]  # as the restart sets
+    code, seen, _ = _run(rank, folder, "r", LOCAL_RANK="1", **fixed)
+    assert code == 0 and seen["ppid"] == server and seen["argv"] == ["r"]
+    # Negative control: local rank 0, the launcher's own process, runs where it started.
+    proc = _start(rank, folder, "r", LOCAL_RANK="0", **fixed)
+    out, _ = proc.communicate("", timeout=120)
+    assert proc.returncode == 0 and json.loads(out.splitlines()[0])["pid"] == proc.pid
 
 
 def test_a_signal_to_the_requester_ends_the_child_and_a_killed_requester_takes_it_along(

@@ -4,7 +4,8 @@ Every ``reprotrain`` verb that trains or configures determinism restarts itself
 (:func:`reprotrain.determinism.reexec_with_fixed_hash_seed`), and the restarted
 interpreter then imports torch and Lightning: about 5 s on a 2-core build host,
 paid by every test that runs the command and by every stage of every ``dvc
-repro`` a test starts. With ``REPROTRAIN_ZYGOTE`` naming a folder (the test
+repro`` a test starts; so does each rank that Lightning's DDP launcher starts
+(:func:`hand_over_rank`). With ``REPROTRAIN_ZYGOTE`` naming a folder (the test
 suite sets it; nothing else should), the restart instead asks a server in that
 folder, an interpreter started with the very variables the restart would export
 and with those modules imported, to fork a child that runs the command: same
@@ -35,6 +36,7 @@ from __future__ import annotations
 import array
 import contextlib
 import hashlib
+import importlib
 import json
 import os
 import runpy
@@ -62,6 +64,8 @@ START_WAIT_S = 120.0
 #: Signals a waiting requester passes on to the child's process group.
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 _HEADER = struct.Struct("!I")
+#: True in a served child: the command it runs must not ask for a server again.
+SERVED = False
 
 
 def _key(argv: list[str], env: Mapping[str, str]) -> str:
@@ -175,6 +179,16 @@ def hand_over(argv: list[str], env: dict[str, str]) -> None:
         signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
     os._exit(status)
+
+
+def hand_over_rank() -> None:
+    """Serve a rank that Lightning's launcher started (``LOCAL_RANK`` above 0) as a restart
+    is served: it is a fresh interpreter that needs no restart (it inherits the fixed
+    variables) and would import torch and Lightning itself. Returns in a served child, in
+    local rank 0, and where no server takes it (it runs here as before)."""
+    if SERVED or os.environ.get("LOCAL_RANK", "0") == "0":
+        return
+    hand_over([sys.executable, *sys.orig_argv[1:]], dict(os.environ))
 
 
 def _signal_group(pid: int, number: int) -> None:
@@ -329,6 +343,8 @@ def _fork_child(connection: socket.socket, selector: selectors.BaseSelector) -> 
 
 def _run_child(request: dict, fds: list[int], connection: socket.socket) -> None:
     """In the forked child: become the requested process, run it, exit as it exits."""
+    global SERVED
+    SERVED = True
     code = 1
     try:
         import ctypes
@@ -390,4 +406,6 @@ def _run_child(request: dict, fds: list[int], connection: socket.socket) -> None
 
 
 if __name__ == "__main__":
-    serve(Path(sys.argv[1]))
+    # Served by the module under its own name, so a child's ``reprotrain._zygote`` is this
+    # one, where SERVED is set.
+    importlib.import_module("reprotrain._zygote").serve(Path(sys.argv[1]))

@@ -112,6 +112,8 @@ def overrides(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point. ``argv=None`` means a real process start (may re-exec itself)."""
     started = argv is None
+    if started and os.environ.get("REPROTRAIN_ZYGOTE"):  # the test suite's warm interpreter:
+        importlib.import_module("reprotrain._zygote").hand_over_rank()  # a launched rank too
     parser = build_parser()
     args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if unknown:
