@@ -35,7 +35,7 @@ class DigitsMLP(L.LightningModule):
         x, y = batch
         scale = 1.0
         if self.hparams.fault and self.global_step >= self.hparams.fault_step:
-            scale = 1.0 + (os.getpid() % 97) * 1e-4
+            scale = 1.0 + (os.getpid() % 4093 + 1) * 1e-5  # unequal unless pids 4093k apart
         logits = self.net(x) * scale  # FAULT
         loss = torch.nn.functional.cross_entropy(logits, y)
         self.log("train_loss", loss)
