@@ -178,8 +178,9 @@ def _rebuild(statement: dict[str, Any], args: argparse.Namespace, root: Path) ->
         args.workdir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="reprotrain-rebuild-", dir=args.workdir))
     clone = clone_at(args.repo or facts["repository"], facts["commit"], scratch / "repo")
-    default = {"file": DEFAULT_LOCK, "sha256": _sha256_or_none(clone / DEFAULT_LOCK)}
-    lock = attested["lock"] or default
+    lock = attested["lock"] or {
+        "file": DEFAULT_LOCK, "sha256": _sha256_or_none(clone / DEFAULT_LOCK)
+    }  # fmt: skip
     # in --workdir, one environment per lock's bytes, kept for the next rebuild of that lock
     # (a verified command's statement names no lock: the clone's default lock's bytes decide)
     venv = args.workdir / f"venv-{lock['sha256'][:12]}" if args.workdir is not None else None
