@@ -32,21 +32,27 @@ def test_failed_writer_keeps_previous_file(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["model.bin"]
 
 
+# Each kind imports only what its writer needs (the text writer neither torch nor Lightning).
 _WRITE_BIG = """
-import sys, torch
+import sys
 from pathlib import Path
-from safetensors.torch import save_file
 from reprotrain.atomic import atomic_path, atomic_write_text
-from reprotrain.resume import VerifiedCheckpointIO
 kind, final = sys.argv[1], Path(sys.argv[2])
-big = torch.ones(100_000_000)  # 400 MB: the write takes long enough to be caught
-print("ready", flush=True)
 if kind == "text":
-    atomic_write_text(final, "x" * 400_000_000)
-elif kind == "safetensors":
+    text = "x" * 400_000_000  # 400 MB: the write takes long enough to be caught
+    print("ready", flush=True)
+    atomic_write_text(final, text)
+    sys.exit()
+import torch
+big = torch.ones(100_000_000)
+if kind == "safetensors":
+    from safetensors.torch import save_file
+    print("ready", flush=True)
     with atomic_path(final) as tmp:
         save_file({"w": big}, tmp)
 else:
+    from reprotrain.resume import VerifiedCheckpointIO
+    print("ready", flush=True)
     VerifiedCheckpointIO().save_checkpoint({"w": big}, final)
 """
 

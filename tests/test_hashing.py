@@ -40,14 +40,16 @@ def test_canonical_json_is_order_independent() -> None:
     assert canonical_json({"a": 1}).endswith("}\n")
 
 
+# safetensors' NumPy front end: the writer (and its map order) is the Rust one that
+# torch's front end calls, without torch's start-up in each fresh process.
 _WRITE = """
-import sys, torch
-from safetensors.torch import save_file
+import sys, numpy
+from safetensors.numpy import save_file
 from reprotrain.hashing import safetensors_metadata
 meta = {f"key{i}": str(i) for i in range(8)}
 if sys.argv[2] == "packed":
     meta = safetensors_metadata(meta)
-save_file({"w": torch.arange(6.0)}, sys.argv[1], metadata=meta)
+save_file({"w": numpy.arange(6.0, dtype=numpy.float32)}, sys.argv[1], metadata=meta)
 """
 
 
