@@ -48,9 +48,10 @@ def test_verify_reference_names_a_tampered_file_alone_and_reproduces_the_rest(
     out = differs.stdout
     assert differs.returncode == 1, out + differs.stderr
     assert "NOT REPRODUCED" in out and "IDENTICAL" not in out
-    changed = out.split("outputs this run changed against HEAD:\n", 1)[1].split("likely cause")[0]
-    assert changed.split() and changed.split()[0].startswith("reports/metrics.json"), out
-    assert len(changed.strip().splitlines()) == 1, out
+    header = "outputs this run changed against HEAD:\n"
+    assert header in out, out
+    changed = out.split(header, 1)[1].split("likely cause", 1)[0].strip().splitlines()
+    assert len(changed) == 1 and changed[0].strip().startswith("reports/metrics.json"), out
     assert "nothing differs there" in out and "model and trace: the same bits" in out, out
 
 
