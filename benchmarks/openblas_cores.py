@@ -22,15 +22,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+
+from reprotrain.cpuprofile import openblas_library
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 SHAPES = [(m, n, k) for m in (1, 17, 128) for n in (5, 65, 576) for k in (1, 64, 144, 2048)]
@@ -38,11 +38,10 @@ SHAPES = [(m, n, k) for m in (1, 17, 128) for n in (5, 65, 576) for k in (1, 64,
 
 def _library(core: str) -> ctypes.CDLL:
     os.environ["OPENBLAS_CORETYPE"], os.environ["OPENBLAS_NUM_THREADS"] = core, "1"
-    spec = importlib.util.find_spec("scipy_openblas32")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("scipy-openblas32 is not installed: run `make venv`")
-    folder = Path(spec.submodule_search_locations[0]) / "lib"
-    blas = ctypes.CDLL(str(sorted(folder.glob("libscipy_openblas*.so*"))[0]))
+    try:
+        blas = ctypes.CDLL(str(openblas_library()))
+    except FileNotFoundError as err:
+        sys.exit(str(err))
     blas.scipy_openblas_get_corename.restype = ctypes.c_char_p
     pointer = ctypes.c_void_p
     for prefix, real in (("s", ctypes.c_float), ("d", ctypes.c_double)):

@@ -49,10 +49,12 @@ what is not in force.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 PROFILES = ("portable", "native")
@@ -87,6 +89,25 @@ def openblas_version() -> str:
         return metadata.version("scipy-openblas32")
     except metadata.PackageNotFoundError:
         return "missing"
+
+
+def openblas_library() -> Path:
+    """The pinned OpenBLAS's shared library, found without importing ``scipy_openblas32``
+    (its ``__init__`` loads the library, before the caller sets :data:`OPENBLAS_VARIABLES`).
+
+    Raises FileNotFoundError saying what to reinstall when it is missing.
+    """
+    spec = importlib.util.find_spec("scipy_openblas32")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "scipy-openblas32 is not installed: the portable CPU profile needs the OpenBLAS "
+            "build from the lock; run `make venv` (or pip install -r requirements-cpu.lock)"
+        )
+    folder = Path(spec.submodule_search_locations[0]) / "lib"
+    paths = sorted(folder.glob("libscipy_openblas*.so*"))
+    if not paths:
+        raise FileNotFoundError(f"no libscipy_openblas*.so in {folder}: reinstall the lock")
+    return paths[0]
 
 
 #: Variables a profile leaves alone but that would change kernels if it did not neutralise them.

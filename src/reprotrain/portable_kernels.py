@@ -44,19 +44,17 @@ MKL's BLAS shows up in ``MKL_VERBOSE``, one that reaches VML by the op's name
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from reprotrain.cpuprofile import OPENBLAS_VARIABLES, ROUTED, ROW_BLOCK
+from reprotrain.cpuprofile import OPENBLAS_VARIABLES, ROUTED, ROW_BLOCK, openblas_library
 
 #: The OpenBLAS core type whose kernels every host runs (needs AVX2 and FMA).
 CORETYPE = OPENBLAS_VARIABLES["OPENBLAS_CORETYPE"]
@@ -77,21 +75,14 @@ def _load_blas() -> Any:
     with _load_lock:
         if "blas" in _state:
             return _state["blas"]
-        # Found without importing it: its __init__ loads the library, before our variables.
-        spec = importlib.util.find_spec("scipy_openblas32")
-        if spec is None or not spec.submodule_search_locations:
-            raise KernelsUnavailable(
-                "scipy-openblas32 is not installed: the portable CPU profile needs the OpenBLAS "
-                "build from the lock; run `make venv` (or pip install -r requirements-cpu.lock)"
-            )
-        folder = Path(spec.submodule_search_locations[0]) / "lib"
-        paths = sorted(folder.glob("libscipy_openblas*.so*"))
-        if not paths:
-            raise KernelsUnavailable(f"no libscipy_openblas*.so in {folder}: reinstall the lock")
+        try:
+            library = openblas_library()
+        except FileNotFoundError as err:
+            raise KernelsUnavailable(str(err)) from None
         # OpenBLAS reads these once, when it loads; the profile exports them too.
         for name, value in OPENBLAS_VARIABLES.items():
             os.environ[name] = value
-        blas = ctypes.CDLL(str(paths[0]))  # CDLL: calls release the GIL
+        blas = ctypes.CDLL(str(library))  # CDLL: calls release the GIL
         blas.scipy_openblas_get_corename.restype = ctypes.c_char_p
         core = blas.scipy_openblas_get_corename().decode()
         if core.lower() != CORETYPE.lower():
