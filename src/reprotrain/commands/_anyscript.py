@@ -350,8 +350,9 @@ def _locate(
     out["ops"] = result.to_text()
     if result.identical:  # e.g. a kernel that races in one pair of runs and not in another
         out["ops"] += (
-            f"; the reruns matched at step {step} although the runs differed: record another "
-            "step (--ops-step), or add TraceCallback so verify finds the step"
+            f"; the reruns matched at step {step} although the runs differed (a race or unwritten "
+            "memory that agreed this time): run verify again, record another step (--ops-step), "
+            "or add TraceCallback so verify finds the step"
         )
     out["op"] = result.to_dict()
     if diff is not None:  # one diagnosis: the op recording's, where it found the cause
