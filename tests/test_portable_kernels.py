@@ -124,6 +124,26 @@ def test_another_row_block_gives_other_bits(routed: None, monkeypatch: pytest.Mo
     assert not torch.equal(blocked[0], _products()[0])  # 300 rows: 3 blocks, now 5
 
 
+@pytest.mark.parametrize("padding", [0, 1])
+def test_a_convolutions_results_outlive_the_next_convolution(routed: None, padding: int) -> None:
+    """The column matrices are buffers reused from call to call (``_workspace``); what a
+    convolution returns stays its own. One image, and no padding, are where a contiguous
+    view of a buffer would have been handed out instead of a copy."""
+
+    def convolve(seed: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(1, 3, 9, 9, generator=g).requires_grad_()
+        weight = torch.randn(4, 3, 3, 3, generator=g).requires_grad_()
+        y = torch.nn.functional.conv2d(x, weight, padding=padding)
+        return [y, *torch.autograd.grad(y.square().sum(), [x, weight])]
+
+    first = convolve(0)
+    kept = [t.clone() for t in first]
+    second = convolve(1)
+    assert all(torch.equal(a, b) for a, b in zip(first, kept, strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(first, second, strict=True))  # the control
+
+
 def test_other_inputs_give_other_products(routed: None) -> None:
     one, other = _products(seed=0), _products(seed=1)
     assert not torch.equal(one[0], other[0]) and not torch.equal(one[-1], other[-1])

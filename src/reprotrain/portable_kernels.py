@@ -64,6 +64,8 @@ _state: dict[str, Any] = {"library": None, "pool": None, "pool_pid": 0, "threads
 #: torch's own CPU kernels of the routed ops, for what the pinned ones do not take.
 _torchs: dict[str, Any] = {}
 _load_lock = threading.Lock()
+#: Each thread's reused buffers of the convolutions (:func:`_workspace`).
+_buffers = threading.local()
 
 
 class KernelsUnavailable(RuntimeError):
@@ -219,11 +221,17 @@ def _torchs_kernel(name: str, *args: Any, **kwargs: Any) -> Any:
 
 
 def _product(
-    a: torch.Tensor, b: torch.Tensor, base: torch.Tensor | None, beta: float, alpha: float
+    a: torch.Tensor,
+    b: torch.Tensor,
+    base: torch.Tensor | None,
+    beta: float,
+    alpha: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``beta * base + alpha * a @ b`` for 3-D float ``a`` and ``b``, base broadcast."""
+    """``beta * base + alpha * a @ b`` for 3-D float ``a`` and ``b``, base broadcast, into
+    ``out`` (contiguous, of the product's shape) or a new tensor."""
     shape = (a.shape[0], a.shape[1], b.shape[2])
-    out = torch.empty(shape, dtype=a.dtype)
+    out = torch.empty(shape, dtype=a.dtype) if out is None else out
     if base is not None and beta != 0:
         out.copy_(base.expand(shape))
     _batched(a, b, out, alpha, beta if base is not None else 0.0)
@@ -273,16 +281,41 @@ def _geometry(x: torch.Tensor, weight: torch.Tensor, conv: Sequence[Any]) -> lis
     return dims
 
 
+def _workspace(slot: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of this thread for ``slot``, reused from call to call, uninitialised.
+
+    A convolution's column matrices are megabytes that live for one call; new ones
+    each step cost the page faults of fresh memory, which took about a quarter of
+    the digits recipe's portable step (``benchmarks/digits_floor.py``: the conv
+    copies with and without). The largest of each slot stays allocated between calls.
+    """
+    count = 1
+    for size in shape:
+        count *= size
+    buffer = getattr(_buffers, slot, None)
+    if buffer is None or buffer.dtype != dtype or buffer.numel() < count:
+        buffer = torch.empty(count, dtype=dtype)
+        setattr(_buffers, slot, buffer)
+    return buffer[:count].view(*shape)
+
+
 def _columns(x: torch.Tensor, weight: torch.Tensor, conv: Sequence[Any]) -> torch.Tensor:
-    """im2col of ``x`` (N, C, H, W) as (C*kh*kw, N*Ho*Wo): one strided copy, no arithmetic."""
+    """im2col of ``x`` (N, C, H, W) as (C*kh*kw, N*Ho*Wo): one strided copy, no arithmetic,
+    into this thread's ``columns`` workspace (valid until the next call)."""
     (kh, sh, ph, dh, ho), (kw, sw, pw, dw, wo) = _geometry(x, weight, conv)
-    padded = torch.nn.functional.pad(x, (pw, pw, ph, ph)).contiguous()
-    n, c, hp, wp = padded.shape
+    n, c, height, width = x.shape
+    hp, wp = height + 2 * ph, width + 2 * pw
+    padded = _workspace("padded", (n, c, hp, wp), x.dtype)
+    if ph or pw:
+        padded.zero_()
+    padded[:, :, ph : ph + height, pw : pw + width] = x
     view = padded.as_strided(
         (c, kh, kw, n, ho, wo),
         (hp * wp, dh * wp, dw, c * hp * wp, sh * wp, sw),
     )
-    return view.reshape(c * kh * kw, n * ho * wo)
+    columns = _workspace("columns", (c, kh, kw, n, ho, wo), x.dtype)
+    columns.copy_(view)
+    return columns.view(c * kh * kw, n * ho * wo)
 
 
 def _image(
@@ -292,14 +325,17 @@ def _image(
     one kernel offset after another (each an elementwise add: the same rounding anywhere)."""
     (kh, sh, ph, dh, ho), (kw, sw, pw, dw, wo) = _geometry(x, weight, conv)
     n, c, height, width = x.shape
-    padded = torch.zeros((n, c, height + 2 * ph, width + 2 * pw), dtype=cols.dtype)
+    padded = _workspace("padded", (n, c, height + 2 * ph, width + 2 * pw), cols.dtype).zero_()
     parts = cols.view(c, kh, kw, n, ho, wo)
     for i in range(kh):
         for j in range(kw):
             rows = slice(i * dh, i * dh + sh * (ho - 1) + 1, sh)
             columns = slice(j * dw, j * dw + sw * (wo - 1) + 1, sw)
             padded[:, :, rows, columns] += parts[:, i, j].transpose(0, 1)
-    return padded[:, :, ph : ph + height, pw : pw + width].contiguous()
+    # clone, not contiguous(): without padding the slice is the whole workspace
+    return padded[:, :, ph : ph + height, pw : pw + width].clone(
+        memory_format=torch.contiguous_format
+    )
 
 
 def _convolution(
@@ -313,8 +349,14 @@ def _convolution(
         return _torchs_kernel("convolution", x, weight, bias, *conv)
     (*_, ho), (*_, wo) = _geometry(x, weight, conv)
     matrix, cols = weight.reshape(weight.shape[0], -1), _columns(x, weight, conv)
-    out = _mm(matrix, cols) if bias is None else _addmm(bias[:, None], matrix, cols)
-    return out.view(weight.shape[0], x.shape[0], ho, wo).transpose(0, 1).contiguous()
+    rows = _workspace("rows", (1, matrix.shape[0], cols.shape[1]), x.dtype)
+    if bias is None:
+        _product(matrix[None], cols[None], None, 0.0, 1.0, rows)
+    else:
+        _product(matrix[None], cols[None], bias[None, :, None], 1.0, 1.0, rows)
+    # clone, not contiguous(): with one image the view is contiguous, and the workspace's
+    out = rows.view(weight.shape[0], x.shape[0], ho, wo).transpose(0, 1)
+    return out.clone(memory_format=torch.contiguous_format)
 
 
 def _convolution_backward(
@@ -330,8 +372,10 @@ def _convolution_backward(
     grad_rows = grad.transpose(0, 1).reshape(weight.shape[0], -1)  # (O, N*Ho*Wo)
     grad_input = grad_weight = grad_bias = None
     if mask[0]:
-        cols = _mm(weight.reshape(weight.shape[0], -1).t(), grad_rows)  # (C*kh*kw, N*Ho*Wo)
-        grad_input = _image(cols, x, weight, conv)
+        matrix = weight.reshape(weight.shape[0], -1).t()
+        cols = _workspace("columns", (1, matrix.shape[0], grad_rows.shape[1]), grad.dtype)
+        _product(matrix[None], grad_rows[None], None, 0.0, 1.0, cols)  # (C*kh*kw, N*Ho*Wo)
+        grad_input = _image(cols[0], x, weight, conv)
     if mask[1]:
         grad_weight = _mm(grad_rows, _columns(x, weight, conv).t()).reshape(weight.shape)
     if mask[2]:
