@@ -386,7 +386,9 @@ def _convolution_backward(
 def _bernoulli(
     x: torch.Tensor, p: float = 0.5, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    return x.bernoulli_(torch.full(x.shape, p, dtype=torch.float64), generator=generator)
+    # One float64 probability: ATen's tensor path expands it to x itself (same stream as a
+    # full tensor of it, without writing 8 bytes per element: megabytes for attention's)
+    return x.bernoulli_(torch.tensor(p, dtype=torch.float64), generator=generator)
 
 
 def _ieee_sqrt(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
