@@ -8,7 +8,9 @@
 #     bash benchmarks/vendor_side.sh /tmp/here
 #     .venv/bin/reprotrain compare /tmp/here/digits-trace.safetensors docs/cpu/<...>/digits-trace.safetensors
 #     .venv/bin/reprotrain opdiff /tmp/here/digits-step0-ops.safetensors docs/cpu/<...>/digits-step0-ops.safetensors
-# (and the same for lm-). If the traces part after step 0, record that step instead:
+# (and the same for lm-), or all of it in one command: bash benchmarks/vendor_check.sh.
+# host.json also keeps benchmarks/kernel_bits.py's portable "all rows" digest.
+# If the traces part after step 0, record that step instead:
 # STEP=N bash benchmarks/vendor_side.sh ... records step N (files named stepN).
 set -euo pipefail
 out=${1:?usage: bash benchmarks/vendor_side.sh OUT_FOLDER}
@@ -58,7 +60,16 @@ weights = {
     recipe: sha256_state_dict(load_safetensors(work / recipe / "model.safetensors")[0])
     for recipe in ("digits", "lm")
 }
-record = {"commit": commit, "cpu": cpu, "weights_sha256_state_dict": weights}
+bits = subprocess.run(
+    [sys.executable, "benchmarks/kernel_bits.py"], capture_output=True, text=True, check=True
+).stdout
+kernels = next(l.split()[-1] for l in bits.splitlines() if l.startswith("portable") and "all rows" in l)
+record = {
+    "commit": commit,
+    "cpu": cpu,
+    "kernel_bits_all_rows": kernels,
+    "weights_sha256_state_dict": weights,
+}
 (out / "host.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 print(json.dumps(record, indent=2, sort_keys=True))
 EOF
