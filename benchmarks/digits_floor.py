@@ -58,7 +58,7 @@ def measure(what: str) -> float:
             (torch.randn(64, c, 8, 8, generator=g), torch.randn(o, c, 3, 3, generator=g))
             for c, o in ((1, 16), (16, 32))
         ]
-        grad_cols = portable_kernels._columns(*layers[1], conv)
+        grad_cols = portable_kernels._columns(*layers[1], conv).clone()  # not the workspace
 
         def step(_: int) -> None:
             for x, weight in layers:

@@ -491,7 +491,8 @@ def test_a_planted_fault_is_found_at_its_op_and_line(tmp_path: Path, fault: str)
         if report.get("op", {}).get("kind", "identical") != "identical":
             break
         (tmp_path / f"retry{attempt}").mkdir()
-        report = _verify(tmp_path / f"retry{attempt}", fault, *retry)
+        report = _verify(tmp_path / f"retry{attempt}", fault, *options, *retry)
+    assert not report["identical"] and "op" in report, report.get("ops", report)
     op = report["op"]
     assert op["kind"] == kind, report["ops"]
     assert says in " ".join(op["differing_inputs"]), report["ops"]
