@@ -44,6 +44,7 @@ MKL's BLAS shows up in ``MKL_VERBOSE``, one that reaches VML by the op's name
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
 import warnings
@@ -289,9 +290,7 @@ def _workspace(slot: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Ten
     the digits recipe's portable step (``benchmarks/digits_floor.py``: the conv
     copies with and without). The largest of each slot stays allocated between calls.
     """
-    count = 1
-    for size in shape:
-        count *= size
+    count = math.prod(shape)
     buffer = getattr(_buffers, slot, None)
     if buffer is None or buffer.dtype != dtype or buffer.numel() < count:
         buffer = torch.empty(count, dtype=dtype)
@@ -350,10 +349,8 @@ def _convolution(
     (*_, ho), (*_, wo) = _geometry(x, weight, conv)
     matrix, cols = weight.reshape(weight.shape[0], -1), _columns(x, weight, conv)
     rows = _workspace("rows", (1, matrix.shape[0], cols.shape[1]), x.dtype)
-    if bias is None:
-        _product(matrix[None], cols[None], None, 0.0, 1.0, rows)
-    else:
-        _product(matrix[None], cols[None], bias[None, :, None], 1.0, 1.0, rows)
+    base = None if bias is None else bias[None, :, None]  # no base: _product's beta is 0
+    _product(matrix[None], cols[None], base, 1.0, 1.0, rows)
     # clone, not contiguous(): with one image the view is contiguous, and the workspace's
     out = rows.view(weight.shape[0], x.shape[0], ho, wo).transpose(0, 1)
     return out.clone(memory_format=torch.contiguous_format)
