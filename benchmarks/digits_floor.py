@@ -12,8 +12,9 @@ one thread, on the digits recipe's model and batch (64 images of 8x8, convolutio
   pinned OpenBLAS's Haswell level: a floor for the portable step, before im2col,
   col2im, the linear layers, dropout, pooling and Adam;
 * ``portable conv copies``: only the im2col and col2im copies around those GEMMs
-  (each convolution's columns for its forward and its weight gradient, the second
-  one's gradient added back into its input), as ``portable_kernels`` makes them.
+  (each convolution's columns, made by its forward and kept for its weight gradient;
+  the second one's gradient added back into its input), as ``portable_conv`` makes
+  them.
 
 Prints each median in ms and its ratio to the native step. Where ``portable conv
 GEMMs`` alone is already most of ``1.3 x native``, the target cannot be met at the
@@ -51,20 +52,19 @@ def measure(what: str) -> float:
     )
     g = torch.Generator().manual_seed(0)
     if what == "copies":
-        from reprotrain import portable_kernels
+        from reprotrain import portable_conv
 
         conv = ((1, 1), (1, 1), (1, 1), False, (0, 0), 1)  # the recipe's: 3x3, padding 1
         layers = [
             (torch.randn(64, c, 8, 8, generator=g), torch.randn(o, c, 3, 3, generator=g))
             for c, o in ((1, 16), (16, 32))
         ]
-        grad_cols = portable_kernels._columns(*layers[1], conv).clone()  # not the workspace
+        grad_cols = portable_conv._columns(*layers[1], conv).clone()  # not the workspace
 
         def step(_: int) -> None:
-            for x, weight in layers:
-                portable_kernels._columns(x, weight, conv)  # forward
-                portable_kernels._columns(x, weight, conv)  # weight gradient
-            portable_kernels._image(grad_cols, *layers[1], conv)  # input gradient, second
+            for x, weight in layers:  # the forward's, kept for the weight gradient
+                portable_conv._columns(x, weight, conv)
+            portable_conv._image(grad_cols, *layers[1], conv)  # input gradient, second
 
     elif what == "gemms":
         shapes = [(32, 144, 4096), (144, 32, 4096), (32, 4096, 144), (16, 9, 4096), (16, 4096, 9)]

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from reprotrain import portable_kernels
+from reprotrain import portable_gemm, portable_kernels
 from reprotrain.cpuprofile import MKL_VML_OPS, ROUTED, CpuProfile
 from tests.helpers import ROOT
 
@@ -112,7 +112,7 @@ def test_matrices_called_one_at_a_time_give_the_bits_of_one_batched_call(
     routed: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     batched = _products()
-    monkeypatch.setattr(portable_kernels, "_INT_MAX", 0)  # as for matrices 2**31 apart
+    monkeypatch.setattr(portable_gemm, "_INT_MAX", 0)  # as for matrices 2**31 apart
     alone = _products()
     assert all(torch.equal(a, b) for a, b in zip(batched, alone, strict=True))
 
@@ -120,28 +120,8 @@ def test_matrices_called_one_at_a_time_give_the_bits_of_one_batched_call(
 def test_another_row_block_gives_other_bits(routed: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Why the block is fixed (and in the record): OpenBLAS's bits follow a call's shape."""
     blocked = _products()
-    monkeypatch.setattr(portable_kernels, "ROW_BLOCK", 64)
+    monkeypatch.setattr(portable_gemm, "ROW_BLOCK", 64)
     assert not torch.equal(blocked[0], _products()[0])  # 300 rows: 3 blocks, now 5
-
-
-@pytest.mark.parametrize("padding", [0, 1])
-def test_a_convolutions_results_outlive_the_next_convolution(routed: None, padding: int) -> None:
-    """The column matrices are buffers reused from call to call (``_workspace``); what a
-    convolution returns stays its own. One image, and no padding, are where a contiguous
-    view of a buffer would have been handed out instead of a copy."""
-
-    def convolve(seed: int) -> list[torch.Tensor]:
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(1, 3, 9, 9, generator=g).requires_grad_()
-        weight = torch.randn(4, 3, 3, 3, generator=g).requires_grad_()
-        y = torch.nn.functional.conv2d(x, weight, padding=padding)
-        return [y, *torch.autograd.grad(y.square().sum(), [x, weight])]
-
-    first = convolve(0)
-    kept = [t.clone() for t in first]
-    second = convolve(1)
-    assert all(torch.equal(a, b) for a, b in zip(first, kept, strict=True))
-    assert not any(torch.equal(a, b) for a, b in zip(first, second, strict=True))  # the control
 
 
 def test_other_inputs_give_other_products(routed: None) -> None:
