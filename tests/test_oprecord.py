@@ -386,6 +386,38 @@ def test_a_file_that_is_not_a_comparable_recording_is_one_line(tmp_path: Path, d
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("damage", "expect"),
+    [
+        ({"version": "abc"}, "metadata 'version'"),
+        ({"rank": "x"}, "metadata 'rank'"),
+        ({"strings": None}, "metadata 'strings'"),
+        ("ops", "column ops.op"),
+        ("outputs", "column outputs.fingerprint"),
+        ("inputs", "column inputs.origin"),
+    ],
+)
+def test_a_damaged_recording_is_one_line(
+    tmp_path: Path, damage: dict[str, Any] | str, expect: str
+) -> None:
+    """Damage a writer would not make (a hand-edited file): an index pointing nowhere."""
+    good = _record(tmp_path / "a")
+    bad = tmp_path / "b" / "ops-rank0.safetensors"
+    bad.parent.mkdir()
+    tensors, meta = load_safetensors(good)
+    if isinstance(damage, dict):
+        meta |= damage
+    else:
+        table = tensors[damage].clone()
+        table[-1, {"ops": 2, "outputs": 1, "inputs": 2}[damage]] = 10**6
+        tensors[damage] = table
+    save_file(tensors, bad, metadata=safetensors_metadata(meta))
+    assert compare_recordings(good, good).identical  # the control: the undamaged file reads
+    with pytest.raises(OpRecordError, match=expect) as err:
+        compare_recordings(good, bad)
+    assert "\n" not in str(err.value) and str(bad) in str(err.value)
+
+
 def test_run_fixes_the_hash_seed_and_cublas_before_the_command_starts(tmp_path: Path) -> None:
     code = "import os; print(os.environ['PYTHONHASHSEED'], os.environ['CUBLAS_WORKSPACE_CONFIG'])"
     done = run_cli("run", "--", sys.executable, "-c", code, cwd=tmp_path)

@@ -193,7 +193,10 @@ def load_recording(path: str | Path) -> LoadedRecording:
         ) from None
     if meta.get("format") != FORMAT or set(tensors) != {*COLUMNS, FINGERPRINTS}:
         raise OpRecordError(f"{path}: not an op recording; pass a file OpRecorder wrote")
-    if int(meta.get("version", 0)) > VERSION:
+    for key in ("version", "rank"):
+        if not isinstance(meta.get(key, 0), int):
+            raise OpRecordError(f"{path}: metadata {key!r} is damaged; record the run again")
+    if meta.get("version", 0) > VERSION:
         raise OpRecordError(
             f"{path}: recorded by a newer reprotrain (format version {meta['version']}, this "
             f"one reads {VERSION}); upgrade reprotrain to compare it"
@@ -202,8 +205,33 @@ def load_recording(path: str | Path) -> LoadedRecording:
     for name, columns in COLUMNS.items():
         if arrays[name].ndim != 2 or arrays[name].shape[1] != len(columns):
             raise OpRecordError(f"{path}: column {name!r} is damaged; record the run again")
+    if damaged := _out_of_range(meta, arrays):
+        raise OpRecordError(f"{path}: {damaged} is damaged; record the run again")
     return LoadedRecording(path, meta, arrays["ops"], arrays["inputs"], arrays["outputs"],
                            arrays[FINGERPRINTS])  # fmt: skip
+
+
+def _out_of_range(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> str | None:
+    """The first table column (or metadata key) whose indices point nowhere; None if none."""
+    strings = meta.get("strings")
+    if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+        return "metadata 'strings'"
+    ops, values = len(arrays["ops"]), len(arrays[FINGERPRINTS])
+    bounds = {  # (table, column): the lowest and the highest index allowed
+        ("ops", "phase"): (0, len(PHASES) - 1),
+        **{("ops", c): (-1, len(strings) - 1) for c in ("op", "module", "line")},
+        ("inputs", "op"): (0, ops - 1),
+        ("inputs", "fingerprint"): (0, values - 1),
+        ("inputs", "origin"): (LABELLED, ops - 1),
+        ("inputs", "label"): (-1, len(strings) - 1),
+        ("outputs", "op"): (0, ops - 1),
+        ("outputs", "fingerprint"): (0, values - 1),
+    }
+    for (table, column), (low, high) in bounds.items():
+        cells = arrays[table][:, COLUMNS[table].index(column)]
+        if cells.size and (cells.min() < low or cells.max() > high):
+            return f"column {table}.{column}"
+    return None
 
 
 def load_recordings(where: str | Path) -> dict[int, LoadedRecording]:
