@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from reprotrain.pipeline.stages import train
 from reprotrain.provenance.dvcchecksum import ChecksumError, md5_file, verify_dvc_checksum
 from reprotrain.provenance.environment import capture_environment
 from reprotrain.provenance.identity import code_hash, run_id, source_files
-from tests.helpers import ROOT, commit_all, run_checked, run_cli, stage_argv
+from tests.helpers import ROOT, commit_all, run_checked, run_cli, run_in_process, stage_argv
 
 pytestmark = pytest.mark.usefixtures("restore_torch_flags")
 
@@ -192,3 +194,55 @@ def test_two_spellings_of_one_config_are_one_run(inputs_for) -> None:
     assert spelt == run_id(inputs_for(["model.init_args.lr=0.001"]))
     assert run_id(inputs_for(["model.init_args.lr=0.005"])) == run_id(inputs_for())  # default
     assert spelt != run_id(inputs_for(["model.init_args.lr=0.002"]))  # control: another value
+
+
+@pytest.fixture
+def pipeline_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The working directory: this dvc.yaml and params.yaml, no git, no outputs."""
+    for name in ("dvc.yaml", "params.yaml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    monkeypatch.setenv("REPROTRAIN_LOCK", str(ROOT / "requirements-cpu.lock"))
+    monkeypatch.delenv("DVC_STAGE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+#: A dvc.lock that DVC never writes -> what checklist's one error line says of it.
+BAD_DVC_LOCK = {
+    "bad YAML": ("stages: [\n", r"not valid YAML \(line 2\)"),
+    "a list at the top": ("- stages\n", "expected a mapping at the top level"),
+    "an out with no path": (
+        "stages:\n  train:\n    outs: [{md5: abc}]\n",
+        "stage 'train': `outs` is not a list of entries with a path",
+    ),
+    "an empty stage": ("stages:\n  train: null\n", r"stage 'train' is not a mapping \(outs.*\)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DVC_LOCK)
+def test_checklist_names_a_corrupt_dvc_lock_in_one_line(pipeline_folder: Path, case: str) -> None:
+    text, expect = BAD_DVC_LOCK[case]
+    (pipeline_folder / "dvc.lock").write_text(text, encoding="utf-8")
+    result = run_in_process("checklist", "--json")
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    [line] = result.stderr.splitlines()
+    what_to_do = "; restore it from git or rerun `dvc repro`"
+    assert re.fullmatch(rf"reprotrain: error: dvc\.lock: {expect}{re.escape(what_to_do)}", line)
+
+
+def test_checklist_checks_the_outputs_a_good_dvc_lock_records(pipeline_folder: Path) -> None:
+    """Negative control: a well-formed dvc.lock is read, and a changed output is a fail."""
+    out = pipeline_folder / "out.bin"
+    out.write_bytes(b"weights")
+    entry = {"path": "out.bin", "hash": "md5", "md5": md5_file(out)}
+    lock = {"schema": "2.0", "stages": {"train": {"cmd": "x", "outs": [entry]}, "env": {}}}
+    (pipeline_folder / "dvc.lock").write_text(json.dumps(lock), encoding="utf-8")
+
+    def data_item() -> tuple[int, str, str]:
+        result = run_in_process("checklist", "--json")
+        [item] = [i for i in json.loads(result.stdout) if i["category"] == "data"]
+        return result.returncode, item["status"], item["detail"]
+
+    assert data_item() == (0, "pass", "1 files match")
+    out.write_bytes(b"other weights")
+    assert data_item() == (0, "fail", "changed: out.bin")

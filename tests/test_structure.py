@@ -15,10 +15,10 @@ import yaml
 from reprotrain.cli import VERBS
 from reprotrain.commands import _exit_codes
 from reprotrain.pipeline.command import STAGES as COMMAND_STAGES
-from reprotrain.pipeline.command import Command, stage_arguments
+from reprotrain.pipeline.command import Command, stage_arguments, stage_command
 from reprotrain.pipeline.errors import DataError
 from reprotrain.provenance.identity import source_files
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_in_process
 
 SRC = ROOT / "src"
 PACKAGE = SRC / "reprotrain"
@@ -293,3 +293,73 @@ def test_a_stage_command_with_an_unknown_option_is_one_data_error(tmp_path: Path
     )
     with pytest.raises(DataError, match=r"stage 'prepare': .*--outt.*fix its cmd"):
         stage_arguments("prepare", dvc_yaml)
+
+
+def _pipeline(cmd: str) -> str:
+    """A dvc.yaml whose every stage runs ``cmd`` (``{stage}`` filled in)."""
+    stages = "".join(f"  {s}:\n    cmd: {cmd.format(stage=s)}\n" for s in COMMAND_STAGES)
+    return f"stages:\n{stages}"
+
+
+#: A dvc.yaml that cannot be read (None: a folder in its place) -> what its error line says.
+BAD_DVC_YAML = {
+    "bad YAML": ("stages: [\n", r"not valid YAML \(line 2\): fix the syntax"),
+    "a folder": (None, r"is a folder; pass the pipeline file"),
+    "an unclosed quote": (
+        _pipeline("reprotrain {stage} --out 'x"),
+        r"stage '\w+': cmd cannot be split as a shell would \(No closing quotation\); fix",
+    ),
+    "a cmd that is a mapping": (
+        _pipeline("{{run: reprotrain {stage}}}"),
+        r"stage '\w+': cmd must be a command line or a list of them; fix its cmd",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("verb", "case"),
+    [
+        (verb, case)
+        for verb in ("status", "checklist", "verify", "compare")
+        for case in BAD_DVC_YAML
+        # compare DIR reads DIR/dvc.yaml only when it is a file (else DIR is a run folder)
+        if (verb, case) != ("compare", "a folder")
+    ],
+)
+def test_a_bad_dvc_yaml_is_one_line_naming_it_with_exit_2(
+    tmp_path: Path, verb: str, case: str
+) -> None:
+    text, expect = BAD_DVC_YAML[case]
+    dvc_yaml = tmp_path / "dvc.yaml"
+    if text is None:
+        dvc_yaml.mkdir()
+    else:
+        dvc_yaml.write_text(text, encoding="utf-8")
+    argv = [tmp_path, tmp_path] if verb == "compare" else ["--dvc-yaml", dvc_yaml]
+    result = run_in_process(verb, *argv)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.splitlines()
+    assert re.fullmatch(rf"reprotrain: error: {re.escape(str(dvc_yaml))}: {expect}.*", line)
+
+
+def test_a_cmd_list_runs_the_stage_command_in_it(tmp_path: Path) -> None:
+    """DVC runs a list ``cmd`` in order; the stage's own command is the one entry that is it."""
+    written = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["cmd"]
+    dvc_yaml = tmp_path / "dvc.yaml"
+    listed = {"stages": {"train": {"cmd": ["echo start", written, "echo done"]}}}
+    dvc_yaml.write_text(yaml.safe_dump(listed), encoding="utf-8")
+    assert stage_command("train", dvc_yaml) == stage_command("train", ROOT / "dvc.yaml")
+    assert stage_arguments("train", dvc_yaml) == stage_arguments("train", ROOT / "dvc.yaml")
+    # Through the CLI, compare gets past dvc.yaml to the model it names.
+    result = run_in_process("compare", tmp_path, tmp_path)
+    assert result.returncode == 2
+    assert f"{tmp_path / 'models/model.safetensors'}: no trained model" in result.stderr
+    # Negative controls: a list with no such command, or with two, is refused in one line.
+    for cmd, expect in (
+        (["echo start"], "cmd does not run `reprotrain train`; fix its cmd"),
+        ([written, written], "cmd runs `reprotrain train` 2 times; keep one"),
+    ):
+        listed["stages"]["train"]["cmd"] = cmd
+        dvc_yaml.write_text(yaml.safe_dump(listed), encoding="utf-8")
+        with pytest.raises(DataError, match=re.escape(f"{dvc_yaml}: stage 'train': {expect}")):
+            stage_command("train", dvc_yaml)

@@ -97,17 +97,53 @@ class _StageParser(argparse.ArgumentParser):
 
 
 def stage_command(stage: str, dvc_yaml: Path) -> list[str]:
-    """The stage's command line from ``dvc_yaml``, split like a shell would."""
+    """The stage's command line from ``dvc_yaml``, split like a shell would.
+
+    ``cmd`` may be a list, as DVC allows (commands run in order): the stage's
+    command is then the one entry that runs ``reprotrain <stage>``. Anything
+    unreadable is one :class:`DataError` that names ``dvc_yaml`` and the stage.
+    """
+    spec = _read_pipeline(dvc_yaml)
     try:
-        cmd = yaml.safe_load(dvc_yaml.read_text())["stages"][stage]["cmd"]
+        cmd = spec["stages"][stage]["cmd"]
+    except (KeyError, TypeError):
+        detail = f"no stage {stage!r} with a cmd"
+        raise DataError(f"{dvc_yaml}: {detail}; add it, or pass the pipeline's file") from None
+    where = f"{dvc_yaml}: stage {stage!r}"
+    commands = cmd if isinstance(cmd, list) else [cmd]
+    if not commands or not all(isinstance(line, str) for line in commands):
+        raise DataError(f"{where}: cmd must be a command line or a list of them; fix its cmd")
+    try:
+        lines = [shlex.split(line) for line in commands]
+    except ValueError as err:  # an unclosed quote, a trailing backslash
+        detail = f"cmd cannot be split as a shell would ({err})"
+        raise DataError(f"{where}: {detail}; fix its quoting") from None
+    ours = [argv for argv in lines if argv[:2] == ["reprotrain", stage]]
+    if not ours:
+        raise DataError(f"{where}: cmd does not run `reprotrain {stage}`; fix its cmd")
+    if len(ours) > 1:
+        raise DataError(f"{where}: cmd runs `reprotrain {stage}` {len(ours)} times; keep one")
+    return ours[0]
+
+
+def _read_pipeline(dvc_yaml: Path) -> object:
+    """``dvc_yaml`` parsed; a missing, unreadable or malformed file is a :class:`DataError`."""
+    try:
+        return yaml.safe_load(dvc_yaml.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise DataError(f"{dvc_yaml}: not found; run from the repository root") from None
-    except (KeyError, TypeError):
-        raise DataError(f"{dvc_yaml}: no stage {stage!r} with a cmd") from None
-    argv = shlex.split(cmd)
-    if argv[:2] != ["reprotrain", stage]:
-        raise DataError(f"{dvc_yaml}: stage {stage!r} does not run `reprotrain {stage}`")
-    return argv
+    except IsADirectoryError:
+        raise DataError(
+            f"{dvc_yaml}: is a folder; pass the pipeline file (--dvc-yaml FOLDER/dvc.yaml)"
+        ) from None
+    except UnicodeDecodeError:
+        raise DataError(f"{dvc_yaml}: not UTF-8 text; restore it from git") from None
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where else ""
+        raise DataError(
+            f"{dvc_yaml}: not valid YAML{line}: fix the syntax or restore it from git"
+        ) from None
 
 
 def stage_arguments(stage: str, dvc_yaml: Path) -> argparse.Namespace:
