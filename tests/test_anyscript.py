@@ -345,3 +345,86 @@ def test_runs_that_proved_identical_leave_no_folder_unless_a_workdir_was_named(
     differs = run_cli(*argv, cwd=tmp_path, TMPDIR=str(scratch), DIFFER="1")  # control
     assert differs.returncode == 1 and "runs kept in" in differs.stdout
     assert len(list(scratch.iterdir())) == 1
+
+
+def _error_lines(done) -> list[str]:
+    return [line for line in done.stderr.splitlines() if line.startswith("reprotrain: error:")]
+
+
+def test_an_output_outside_the_run_folder_is_refused_before_any_run(tmp_path: Path) -> None:
+    for name in ("/etc/hostname", "../../../../etc/hostname"):
+        work = tmp_path / "runs"
+        done = run_cli("verify", "--workdir", work, "--output", name, "--", "true", cwd=tmp_path)
+        assert done.returncode == 2 and "IDENTICAL" not in done.stdout, done.stdout
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+        assert done.stderr.startswith(f"reprotrain: error: --output {name!r}: name a file")
+        assert not work.exists()  # refused before any run
+    write = "echo 1 > {out}/result.txt"  # control: a relative path the runs write
+    done = run_cli("verify", "--output", "result.txt", "--", "sh", "-c", write, cwd=tmp_path)
+    assert (
+        done.returncode == 0 and done.stdout == "reprotrain verify: IDENTICAL: 2 runs, result.txt\n"
+    )
+
+
+def test_a_link_out_of_the_run_folder_is_not_that_runs_output(tmp_path: Path) -> None:
+    # each run writes its pid outside its folder and links to it: the same file, last pid
+    outside = f"echo $$ > {tmp_path}/s.txt; ln -s {tmp_path}/s.txt {{out}}/result.txt"
+    for index, named in enumerate(((), ("--output", "result.txt"))):
+        work = tmp_path / f"runs-{index}"  # kept after the refusal, as after any failed run
+        done = run_cli("verify", "--workdir", work, *named, "--", "sh", "-c", outside, cwd=tmp_path)
+        assert done.returncode == 2 and "IDENTICAL" not in done.stdout, done.stdout
+        (error,) = _error_lines(done)
+        assert f"run-0/result.txt: a link to {tmp_path.resolve()}/s.txt, outside run 0's" in error
+    inside = "echo 1 > {out}/a.txt; ln -s a.txt {out}/result.txt"  # control: a link inside
+    done = run_cli("verify", "--", "sh", "-c", inside, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == "reprotrain verify: IDENTICAL: 2 runs, a.txt, result.txt\n"
+
+
+def test_a_workdir_that_is_a_file_is_refused_and_missing_folders_are_made(tmp_path: Path) -> None:
+    file = tmp_path / "FILE"
+    file.write_text("not a folder\n")
+    for workdir, said in ((file, "is a file"), (file / "sub", "cannot make it")):
+        done = run_cli("verify", "--workdir", workdir, "--", "true", cwd=tmp_path)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith(f"reprotrain: error: --workdir {workdir}: {said}")
+        assert done.stderr.count("\n") == 1
+    work = tmp_path / "a" / "missing" / "dir"  # control: a new folder, parents and all
+    done = run_cli("verify", "--workdir", work, "--", "sh", "-c", "echo 1 > {out}/x", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (work / "run-1" / "x").read_text() == "1\n"
+
+
+def test_threads_below_one_are_refused_when_the_arguments_are_read(tmp_path: Path) -> None:
+    for verb in ("run", "verify"):
+        for threads in ("0", "-1", "x"):
+            argv = (verb, "--cpu-profile", "portable", "--threads", threads, "--", "true")
+            done = run_cli(*argv, cwd=tmp_path)
+            assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+            assert done.stderr.startswith(
+                f"reprotrain: error: argument --threads: {threads!r}: give a whole number >= 1"
+            )
+            assert done.stderr.count("\n") == 1
+    done = run_cli("run", "--cpu-profile", "portable", "--threads", "1", "--", "true", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr  # control
+
+
+def test_an_empty_command_is_named_as_empty(tmp_path: Path) -> None:
+    for verb in ("run", "verify"):
+        done = run_cli(verb, "--", "", cwd=tmp_path)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr == (
+            f"reprotrain: error: the command after `--` is empty (''); name the program to "
+            f"{verb} first: reprotrain {verb} -- python train.py\n"
+        )
+    assert run_cli("run", "--", "true", cwd=tmp_path).returncode == 0  # control
+
+
+def test_run_passes_out_on_as_written_and_only_verify_says_it_replaces_it(
+    tmp_path: Path,
+) -> None:
+    done = run_cli("run", "--", "sh", "-c", 'echo {out} "${REPROTRAIN_OUT-unset}"', cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout == "{out} unset\n", done.stdout + done.stderr
+    assert "{out}" not in run_cli("run", "--help", cwd=tmp_path).stdout
+    verify_help = " ".join(run_cli("verify", "--help", cwd=tmp_path).stdout.split())
+    assert "{out} in it becomes the run's own folder" in verify_help

@@ -177,3 +177,46 @@ def test_world_sizes_take_words_or_a_comma_list_and_refuse_other_text() -> None:
     with pytest.raises(SystemExit) as refused:
         parser.parse_args(["verify", "--world-sizes", "1,x"])
     assert refused.value.code == 2
+
+
+def test_a_workdir_holding_earlier_runs_is_refused_before_anything_is_deleted(
+    tmp_path: Path,
+) -> None:
+    work = tmp_path / "W"
+    (work / "run-1").mkdir(parents=True)
+    (work / "run-1" / "notes.txt").write_text("mine\n")
+    (work / "environment.json").write_text("{}\n")
+    done = run_cli("verify", "--workdir", work, "-S", "train.accelerator=gpu", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr == (
+        f"reprotrain: error: --workdir {work}: already holds environment.json and 1 more from "
+        "before; name an empty or new folder (verify never deletes runs)\n"
+    )
+    assert (work / "run-1" / "notes.txt").read_text() == "mine\n"
+    assert (work / "environment.json").read_text() == "{}\n"
+    # control: an empty workdir passes, and the next check (no dvc.yaml here) speaks
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = run_cli("verify", "--workdir", empty, cwd=tmp_path)
+    assert done.returncode == 2 and "--workdir" not in done.stderr, done.stderr
+    assert done.stderr.startswith("reprotrain: error: dvc.yaml: not found")
+
+
+def test_a_workdir_that_is_a_file_is_refused_by_the_pipeline_and_reference_modes(
+    tmp_path: Path,
+) -> None:
+    file = tmp_path / "FILE"
+    file.write_text("not a folder\n")
+    for mode in ((), ("--reference", "HEAD")):
+        for workdir, said in ((file, "is a file"), (file / "sub", "cannot make it")):
+            done = run_cli("verify", *mode, "--workdir", workdir, cwd=tmp_path)
+            assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+            assert done.stderr.startswith(f"reprotrain: error: --workdir {workdir}: {said}")
+            assert done.stderr.count("\n") == 1
+    # control: a missing folder is made, and the clone goes in it (here: no repository)
+    missing = tmp_path / "a" / "missing" / "dir"
+    done = run_cli("verify", "--reference", "HEAD", "--workdir", missing, cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("reprotrain: error: git clone -q --no-checkout")
+    assert f"{missing}/reprotrain-reference-" in done.stderr
+    assert missing.is_dir() and not list(missing.iterdir())  # the failed clone is removed

@@ -25,7 +25,10 @@ read as its kind, named with the reader's error); 4 DIFFERS OUTSIDE TENSORS
 (every tensor equal; a log, a config or a checkpoint's other field differs);
 0 IDENTICAL. 2 bad input, one line: no command; an option that only the
 pipeline's runs take; a run that failed (its error line and its log); a
-command that wrote nothing under ``{out}``; an ``--output`` a run did not write.
+command that wrote nothing under ``{out}``; an ``--output`` a run did not write,
+or one that is not a relative path inside the run's folder; a compared file that
+is a link resolving outside its run's folder (not that run's output: another
+file's bytes would be judged); a ``--workdir`` that is a file.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from reprotrain.atomic import atomic_write_text
@@ -49,6 +52,7 @@ from reprotrain.commands._exit_codes import (
     EXIT_DIFFERS_OUTSIDE_TENSORS,
     EXIT_UNREADABLE,
 )
+from reprotrain.commands._rerun import ready_workdir
 from reprotrain.commands._rundiff import OPS_FOLDER
 from reprotrain.commands.run import command_of, launch_environment, launch_variables
 from reprotrain.compare.files import FileVerdict, compare_files, one_sided
@@ -224,7 +228,11 @@ def verify_script(args: argparse.Namespace) -> int:
     refuse_pipeline_options(args)
     if args.runs < 2:
         raise DataError(f"--runs {args.runs}: give 2 or more runs to compare")
+    for name in args.outputs:
+        _refuse_outside_output(name)
     base = launch_environment(args, os.environ)
+    if args.workdir is not None:
+        ready_workdir(args.workdir)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="reprotrain-verify-"))
     folders = [workdir / f"run-{i}" for i in range(args.runs)]
     if taken := [f for f in folders if f.exists() or f.with_name(f"{f.name}.log").exists()]:
@@ -270,9 +278,34 @@ def verify_script(args: argparse.Namespace) -> int:
     return EXIT_CODES[verdict]
 
 
+def _refuse_outside_output(name: str) -> None:
+    """An ``--output`` names a file under ``{out}``: relative, and never above it."""
+    path = PurePath(name)
+    if not path.parts or path.is_absolute() or ".." in path.parts:
+        raise DataError(
+            f"--output {name!r}: name a file the command writes under {{out}}, relative to "
+            "that folder and inside it (no leading /, no ..), e.g. --output model.safetensors"
+        )
+
+
+def _refuse_links_out(name: str, paths: list[Path], folders: list[Path]) -> None:
+    """A link out of its run's folder is not that run's output: comparing what it points at
+    could call runs identical that wrote different bytes."""
+    for index, (path, folder) in enumerate(zip(paths, folders, strict=True)):
+        # realpath, not Path.resolve: it returns a link loop as is instead of raising
+        target = Path(os.path.realpath(path))
+        if not target.is_relative_to(os.path.realpath(folder)):
+            raise DataError(
+                f"{path}: a link to {target}, outside run {index}'s folder, so not that run's "
+                f"output; have the command write {name} itself under {{out}}, or name only "
+                "the files it writes with --output"
+            )
+
+
 def _worst_verdict(name: str, folders: list[Path], named: bool) -> FileVerdict:
     """``name`` in every run against run 0; the worst verdict of those comparisons."""
     paths = [f / name for f in folders]
+    _refuse_links_out(name, paths, folders)
     if missing := [i for i, p in enumerate(paths) if not p.is_file()]:
         if named:
             raise DataError(f"{paths[missing[0]]}: the command did not write {name}; fix --output")

@@ -67,6 +67,30 @@ def rerun_workspace(dvc_yaml: Path, folder: Path | None, command: str) -> Iterat
         raise
 
 
+def ready_workdir(folder: Path, fresh: bool = False) -> Path:
+    """``--workdir``: made (with its parents) if missing; a file there is refused, one line.
+
+    ``fresh``: a folder that already holds anything is refused too, before any run
+    starts, so no earlier run or record is deleted or replaced.
+    """
+    if folder.exists() and not folder.is_dir():
+        raise DataError(f"--workdir {folder}: is a file, not a folder; name a new or empty folder")
+    if fresh and folder.is_dir() and (held := sorted(p.name for p in folder.iterdir())):
+        more = f" and {len(held) - 1} more" if len(held) > 1 else ""
+        raise DataError(
+            f"--workdir {folder}: already holds {held[0]}{more} from before; name an empty or "
+            "new folder (verify never deletes runs)"
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as err:  # a file where a parent folder goes
+        raise DataError(
+            f"--workdir {folder}: cannot make it ({err.strerror}: {err.filename}); "
+            "name a new or empty folder"
+        ) from None
+    return folder
+
+
 def ensure_prepared(data: Path, command: str) -> None:
     """Run ``dvc repro prepare`` if a data file (or folder) of the train stage is missing."""
     if data.exists():

@@ -27,10 +27,10 @@ PARAMS: tuple[str, ...] = ()
 
 def add_launch_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
     """``-- CMD ARGS`` and the start-up pins: ``reprotrain run``'s, and ``verify -- CMD``'s."""
+    # only verify gives each run a folder of its own; `run` passes CMD on as written
+    own_folder = "; {out} in it becomes the run's own folder" if verb == "verify" else ""
     parser.add_argument(
-        "cmd",
-        nargs=argparse.REMAINDER,
-        help=f"the command to {verb}, after `--`; {{out}} in it becomes the run's own folder",
+        "cmd", nargs=argparse.REMAINDER, help=f"the command to {verb}, after `--`{own_folder}"
     )
     parser.add_argument(
         "--cpu-profile",
@@ -39,10 +39,21 @@ def add_launch_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=thread_count,
         default=1,
         help="threads with --cpu-profile (native: ATen's intra-op; portable: its GEMM's)",
     )
+
+
+def thread_count(text: str) -> int:
+    """``--threads``: a whole number >= 1, refused by argparse (exit 2) otherwise."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1, e.g. --threads 1")
+    return count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +85,11 @@ def command_of(args: argparse.Namespace, verb: str) -> list[str]:
     if not cmd:
         raise DataError(
             f"no command given; put it after `--`: reprotrain {verb} -- python train.py"
+        )
+    if not cmd[0].strip():  # exec would fail with no name to say what is wrong
+        raise DataError(
+            f"the command after `--` is empty ({cmd[0]!r}); name the program to {verb} first: "
+            f"reprotrain {verb} -- python train.py"
         )
     return cmd
 

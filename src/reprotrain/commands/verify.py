@@ -42,6 +42,10 @@ as the likely cause, and, where REV's trace is in this repository's DVC cache,
 the first diverging step. It costs one pipeline run; ``make check-reference``
 runs it.
 
+``--workdir DIR`` keeps the runs there; it must be new or empty (a file, or a folder
+holding anything, is refused before any run), so verify never deletes or replaces
+earlier runs.
+
 Runs train one after another (``--jobs N``: N side by side, see
 :mod:`reprotrain.commands._rerun`); cost against one training run:
 ``benchmarks/verify_cost.py``.
@@ -65,7 +69,7 @@ from reprotrain.commands._exit_codes import (
 from reprotrain.commands._git import changed_paths, git, share_dvc_cache
 from reprotrain.commands._rebuild import clone_environment, python_of
 from reprotrain.commands._reference import classify_changes
-from reprotrain.commands._rerun import Workspace, rerun_workspace, train_fresh
+from reprotrain.commands._rerun import Workspace, ready_workdir, rerun_workspace, train_fresh
 from reprotrain.commands._rundiff import (
     OPS_FOLDER,
     RunComparison,
@@ -187,6 +191,8 @@ def run(_: object, args: argparse.Namespace) -> int:
         raise DataError(
             f"--runs {args.runs}: verify needs at least 2 runs to compare; pass --runs 2 or more"
         )
+    if args.workdir is not None:  # before any run: train_fresh replaces a run folder it finds
+        ready_workdir(args.workdir, fresh=True)
     with rerun_workspace(args.dvc_yaml, args.workdir, "verify") as workspace:
         return _verify(args, workspace)
 
@@ -298,6 +304,8 @@ def _verdict(results: list[RunComparison]) -> str:
 def check_reference(rev: str, workdir: Path | None) -> int:
     """Every pipeline run once in a clone of ``rev``: does it rewrite anything git holds?"""
     repo = Path.cwd()
+    if workdir is not None:  # the clone goes in a new folder of its own inside it
+        ready_workdir(workdir)
     scratch = Path(tempfile.mkdtemp(prefix="reprotrain-reference-", dir=workdir))
     clone = scratch / "repo"
     try:
