@@ -9,6 +9,7 @@ answer is exact: that step, that record.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -302,3 +303,160 @@ def test_the_op_recording_decides_the_one_diagnosis() -> None:
     assert with_op_diagnosis(guess, {"identical": True}) == guess
     seeded = replace(guess, initial_params_equal=False, diagnosis=DIAGNOSES["initial"])
     assert with_op_diagnosis(seeded, _op("inputs", here)) == seeded
+
+
+# -- reprotrain compare on bad input: one line naming the file, exit 2 -------------------
+
+
+def _write_trace(
+    path: Path, shift: int = 0, drop: tuple[str, ...] = (), **tensors: torch.Tensor
+) -> Path:
+    """A three-step trace file as TraceCallback writes one; ``tensors`` replace columns."""
+    from safetensors.torch import save_file
+
+    from reprotrain.hashing import safetensors_metadata
+
+    rows = torch.arange(3, dtype=torch.int64)
+    columns = {name: rows + shift for name in ("step", "batch_idx", "batch", "rng", "loss")}
+    columns |= {name: rows.clone() for name in ("grads", "params")}
+    columns |= {"epoch": torch.zeros(3, dtype=torch.int64), "loss_value": rows.double()}
+    columns |= {"weights_traced": torch.ones(3, dtype=torch.bool)}
+    columns |= {"initial_params": torch.tensor([7]), **tensors}
+    meta = {"format": "reprotrain.trace", "version": 2, "detail": "default",
+            "weights_every": 1, "param_names": ["w"], "rng_sources": ["torch"]}  # fmt: skip
+    kept = {name: column for name, column in columns.items() if name not in drop}
+    save_file(kept, path, safetensors_metadata(meta))
+    return path
+
+
+def _write_header(path: Path, header: object) -> Path:
+    """A file with a safetensors size prefix and ``header`` as its JSON header."""
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text)
+    return path
+
+
+def _write_weights(path: Path, shift: float = 0.0) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.arange(4.0) + shift}, path)
+    return path
+
+
+def _bad_file(tmp_path: Path, case: str) -> Path:
+    path = tmp_path / "bad.safetensors"
+    if case == "truncated":
+        path.write_bytes(_write_weights(tmp_path / "whole.safetensors").read_bytes()[:-4])
+    elif case == "header a list":
+        _write_header(path, [1, 2])
+    elif case == "metadata a string":
+        _write_header(path, {"__metadata__": "x"})
+    elif case == "trace without tensors":
+        _write_trace(path, drop=("initial_params",))
+    else:
+        _write_trace(path, batch=torch.zeros(3, dtype=torch.bfloat16))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("truncated", "not a readable weights/trace file (Error while deserializing header"),
+        ("header a list", "not a readable weights/trace file (its header is not a JSON object)"),
+        ("metadata a string", "not a readable weights/trace file (its __metadata__ is not"),
+        ("trace without tensors", "a damaged reprotrain trace (no 'initial_params' tensor)"),
+        ("trace in bf16", "a damaged reprotrain trace ('batch' is bfloat16, not int64)"),
+    ],
+)
+def test_compare_refuses_an_unreadable_file_in_one_line(
+    tmp_path: Path, case: str, says: str
+) -> None:
+    from tests.helpers import run_in_process
+
+    is_trace = case.startswith("trace")
+    good = (
+        (_write_trace(tmp_path / "a.safetensors"), _write_trace(tmp_path / "b.safetensors", 1))
+        if is_trace
+        else (
+            _write_weights(tmp_path / "a.safetensors"),
+            _write_weights(tmp_path / "b.safetensors", 1),
+        )
+    )
+    done = run_in_process("compare", _bad_file(tmp_path, case), good[1])
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.startswith(f"reprotrain: error: {tmp_path / 'bad.safetensors'}: {says}")
+    assert done.stderr.count("\n") == 1 and ("; rerun" in done.stderr or "; copy" in done.stderr)
+    # negative control: good files of the same kind compare, and differ
+    compared = run_in_process("compare", *good)
+    assert compared.returncode == 1 and compared.stderr == "", compared.stderr
+    assert "DIFFERENT" in compared.stdout
+
+
+def test_compare_refuses_a_model_path_that_leaves_the_folders(tmp_path: Path) -> None:
+    from tests.helpers import run_in_process
+
+    fa, fb = tmp_path / "fa", tmp_path / "fb"
+    for folder, shift in ((fa, 0.0), (fb, 1.0)):
+        folder.mkdir()
+        _write_weights(folder / "model.safetensors", shift)
+        (folder / "linked.safetensors").symlink_to(fa / "model.safetensors")  # leaves fb only
+    outside = f"leads outside {fb} (to {fa / 'model.safetensors'})"
+    for rel, says in (
+        (str(fa / "model.safetensors"), "an absolute path names one file for both runs"),
+        ("../fa/model.safetensors", outside),
+        ("linked.safetensors", outside),
+    ):
+        done = run_in_process("compare", fa, fb, "--model", rel)
+        assert done.returncode == 2 and done.stdout == "", done.stdout
+        assert done.stderr.startswith(f"reprotrain: error: --model {rel}: "), done.stderr
+        assert says in done.stderr and done.stderr.count("\n") == 1
+    # negative control: the file named inside each folder finds the difference
+    inside = run_in_process("compare", fa, fb, "--model", "model.safetensors")
+    assert inside.returncode == 1 and "w       different" in inside.stdout, inside.stderr
+
+
+def test_compare_refuses_a_plot_folder_before_comparing(tmp_path: Path) -> None:
+    from tests.helpers import run_in_process
+
+    a, b = _write_trace(tmp_path / "a.safetensors"), _write_trace(tmp_path / "b.safetensors", 1)
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    done = run_in_process("compare", a, b, "--plot", folder)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"reprotrain: error: --plot {folder}: is a folder; pass")
+    assert list(folder.iterdir()) == []
+    # negative control: a file path gets the plot
+    plotted = run_in_process("compare", a, b, "--plot", folder / "loss.png")
+    assert plotted.returncode == 1 and (folder / "loss.png").is_file(), plotted.stderr
+    assert f"loss plot: {folder / 'loss.png'}" in plotted.stdout
+    weights = [
+        _write_weights(tmp_path / f"{name}.st", shift) for name, shift in (("c", 0), ("d", 1))
+    ]
+    unplotted = run_in_process("compare", *weights, "--plot", folder / "none.png")
+    assert "no loss plot: a run has no trace" in unplotted.stdout, unplotted.stdout
+    assert not (folder / "none.png").exists()
+
+
+def test_identical_revisions_without_the_dvc_cache_say_the_weights_were_not_compared(
+    tmp_path: Path,
+) -> None:
+    from tests.helpers import ROOT, commit_all, run_checked, run_in_process
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    run_checked("git", "init", "-q", cwd=repo)
+    run_checked(sys.executable, "-m", "dvc", "init", "-q", cwd=repo)
+    (repo / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
+    trace = _write_trace((repo / "models").mkdir() or repo / "models" / "trace.safetensors")
+    commit_all(repo, "a run whose weights are in no DVC cache")  # the trace is in git
+    done = run_in_process("compare", "HEAD", "HEAD", "--repo", repo)
+    assert done.returncode == 0, done.stderr
+    verdict = done.stdout.splitlines()[-1]
+    assert verdict.startswith("IDENTICAL: the same bits (trace "), done.stdout
+    assert "; weights not compared: the model at HEAD is not in the DVC cache" in verdict
+    as_json = json.loads(run_in_process("compare", "HEAD", "HEAD", "--repo", repo, "--json").stdout)
+    assert any(note.startswith("weights not compared") for note in as_json["notes"])
+    # negative control: two trace files are all the user asked about; nothing is missing
+    files = run_in_process("compare", trace, trace)
+    assert files.returncode == 0 and "IDENTICAL" in files.stdout
+    assert "not compared" not in files.stdout, files.stdout

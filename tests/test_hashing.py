@@ -73,3 +73,43 @@ def test_raw_multi_key_metadata_is_not_byte_stable(tmp_path: Path) -> None:
     # per-process hash order (8 keys: 40,320 orders, so three equal runs ~ 1e-9).
     hashes = {_write_in_fresh_process(tmp_path / f"{i}.st", "raw") for i in range(3)}
     assert len(hashes) > 1
+
+
+def test_a_damaged_safetensors_file_is_one_error_that_names_it(tmp_path: Path) -> None:
+    import json
+
+    import pytest
+    from safetensors.torch import save_file
+
+    from reprotrain.hashing import (
+        UnreadableSafetensors,
+        load_safetensors,
+        read_safetensors_metadata,
+        safetensors_metadata,
+    )
+
+    good = tmp_path / "good.safetensors"
+    save_file({"w": torch.arange(4.0)}, good, safetensors_metadata({"seed": 1}))
+    assert read_safetensors_metadata(good) == load_safetensors(good)[1] == {"seed": 1}
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(good.read_bytes()[:-4])
+    headers = {
+        "list": [1],
+        "string": {"__metadata__": "x"},
+        "ours": {"__metadata__": {"reprotrain": "["}},
+    }
+    for name, header in headers.items():
+        text = json.dumps(header).encode()
+        (tmp_path / f"{name}.safetensors").write_bytes(len(text).to_bytes(8, "little") + text)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(good.read_bytes()[:20])  # ends inside the header
+    for path, read in (
+        (truncated, load_safetensors),
+        (cut, read_safetensors_metadata),
+        *((tmp_path / f"{name}.safetensors", read_safetensors_metadata) for name in headers),
+        (tmp_path / "ours.safetensors", load_safetensors),
+    ):
+        with pytest.raises(UnreadableSafetensors) as raised:
+            read(path)
+        assert raised.value.path == path and isinstance(raised.value, ValueError)
+        assert str(raised.value) and "\n" not in str(raised.value)

@@ -61,39 +61,70 @@ def safetensors_metadata(values: Mapping[str, Any]) -> dict[str, str]:
     return {METADATA_KEY: canonical_json(dict(values))}
 
 
+class UnreadableSafetensors(ValueError):
+    """A file that cannot be read as a safetensors file of ours: truncated, a header that
+    is not a safetensors one, or metadata that is not ours.
+
+    The message says what is wrong, without the file: callers put ``path`` first in
+    their own one-line message, with what to do about it.
+    """
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        super().__init__(reason)
+        self.path = Path(path)
+
+
 def load_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Tensors and unpacked metadata of a safetensors file; no pickle involved.
 
-    Raises ``safetensors.SafetensorError`` or ``OSError`` for an unreadable
-    file and ``ValueError`` for metadata that is not ours.
+    Raises ``OSError`` for a file that cannot be opened and
+    :class:`UnreadableSafetensors` (a ``ValueError``) for one that is not a
+    readable safetensors file or whose metadata is not ours.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="pt") as handle:
-        raw = handle.metadata() or {}
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-    return tensors, _unpack_metadata(raw)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            raw = handle.metadata() or {}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    except SafetensorError as err:  # the Rust reader's errors name no file
+        raise UnreadableSafetensors(path, str(err).splitlines()[0]) from None
+    return tensors, _unpack_metadata(raw, path)
 
 
 def read_safetensors_metadata(path: str | Path) -> dict[str, Any]:
     """The unpacked metadata of a safetensors file, from its JSON header alone (no torch).
 
-    Raises ``OSError`` for an unreadable file and ``ValueError`` for a header that is not
-    a safetensors one or metadata that is not ours.
+    Raises ``OSError`` for an unreadable file and :class:`UnreadableSafetensors` (a
+    ``ValueError``) for a header that is not a safetensors one or metadata that is not ours.
     """
     with Path(path).open("rb") as handle:
         size = int.from_bytes(handle.read(8), "little")
         if not 0 < size <= 100_000_000:
-            raise ValueError(f"{path}: not a safetensors file")
-        header = json.loads(handle.read(size))
-    return _unpack_metadata(header.get("__metadata__") or {})
+            raise UnreadableSafetensors(path, f"not a safetensors file (header size {size})")
+        text = handle.read(size)
+    if len(text) < size:
+        raise UnreadableSafetensors(path, "truncated: the file ends inside its header")
+    try:
+        header = json.loads(text)
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise UnreadableSafetensors(path, f"its header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise UnreadableSafetensors(path, "its header is not a JSON object")
+    raw = header.get("__metadata__") or {}
+    if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+        raise UnreadableSafetensors(path, "its __metadata__ is not a map of strings")
+    return _unpack_metadata(raw, path)
 
 
-def _unpack_metadata(raw: dict[str, str]) -> dict[str, Any]:
+def _unpack_metadata(raw: dict[str, str], path: str | Path) -> dict[str, Any]:
     """Our JSON object under ``METADATA_KEY`` of a safetensors header's string metadata."""
-    metadata = json.loads(raw[METADATA_KEY]) if METADATA_KEY in raw else {}
+    try:
+        metadata = json.loads(raw[METADATA_KEY]) if METADATA_KEY in raw else {}
+    except ValueError as err:
+        raise UnreadableSafetensors(path, f"metadata key {METADATA_KEY!r}: {err}") from None
     if not isinstance(metadata, dict):
-        raise ValueError(f"metadata key {METADATA_KEY!r} is not a JSON object")
+        raise UnreadableSafetensors(path, f"metadata key {METADATA_KEY!r} is not a JSON object")
     return metadata
 
 

@@ -12,19 +12,33 @@ same batch and parameters: a non-deterministic kernel, then run ``reprotrain
 locate``; parameters with equal gradients: the optimizer), the run inputs and
 environment fields that differ, and a per-tensor table of the final weights.
 
-Exit codes: 0 identical, 1 different, 2 a run could not be read.
+Exit codes: 0 identical, 1 different, 2 a run could not be read. Bad input is
+refused in one line (exit 2) before anything is compared: ``--model``/``--trace``
+must stay inside each folder (an absolute path would read one file for both
+runs), ``--plot`` must name a file, a file to read must be a readable safetensors
+file. "Identical" names what was compared, and a revision whose weights are not
+in the DVC cache says so on the verdict line: the same trace is not the same model.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 from pathlib import Path
 
 from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
-from reprotrain.commands._rundiff import OPS_FOLDER, compare_runs, find_run, with_op_diff
-from reprotrain.hashing import canonical_json
+from reprotrain.commands._rundiff import (
+    OPS_FOLDER,
+    RunComparison,
+    RunFiles,
+    compare_runs,
+    find_run,
+    with_op_diff,
+)
+from reprotrain.hashing import UnreadableSafetensors, canonical_json, read_safetensors_metadata
 from reprotrain.pipeline.command import Command
+from reprotrain.pipeline.errors import DataError
 
 PARAMS: tuple[str, ...] = ()
 
@@ -47,20 +61,110 @@ COMMAND = Command(
 
 
 def run(_: object, args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="reprotrain-compare-") as scratch:
-        a = find_run(args.a, args.repo, Path(scratch) / "a", args.model, args.trace)
-        b = find_run(args.b, args.repo, Path(scratch) / "b", args.model, args.trace)
-        result = compare_runs(a, b, plot=args.plot)
+    _refuse_unusable_paths(args)
+    try:
+        with tempfile.TemporaryDirectory(prefix="reprotrain-compare-") as scratch:
+            a = find_run(args.a, args.repo, Path(scratch) / "a", args.model, args.trace)
+            b = find_run(args.b, args.repo, Path(scratch) / "b", args.model, args.trace)
+            result = compare_runs(a, b, plot=args.plot)
+    except UnreadableSafetensors as err:  # weights, loaded only when the bytes differ
+        raise _unreadable(err) from None
     recordings = [_recording_of(Path(spec)) for spec in (args.a, args.b)]
     if not result.identical and all(folder is not None for folder in recordings):
         result = with_op_diff(result, *recordings)
+    caveats = _not_compared((args.a, args.b), (a, b))
     if args.json:
-        print(canonical_json(result.to_dict()), end="")
+        print(canonical_json(_with_notes(result, caveats).to_dict()), end="")
     else:
-        print(result.to_text())
+        print(_text(result, caveats))
         if args.plot:
-            print(f"loss plot: {args.plot}")
+            plotted = all(run.trace is not None for run in (a, b))
+            print(f"loss plot: {args.plot}" if plotted else "no loss plot: a run has no trace")
     return 0 if result.identical else EXIT_CHECK_FAILED
+
+
+def _refuse_unusable_paths(args: argparse.Namespace) -> None:
+    """Refuse, before any work, a path that would crash late or compare the wrong files."""
+    if args.plot is not None and args.plot.is_dir():
+        raise DataError(
+            f"--plot {args.plot}: is a folder; pass the PNG file to write, "
+            f"e.g. {args.plot / 'loss.png'}"
+        )
+    folders = [Path(spec) for spec in (args.a, args.b) if Path(spec).is_dir()]
+    for option, rel in (("--model", args.model), ("--trace", args.trace)):
+        if rel is not None:
+            for folder in folders:
+                _refuse_outside(option, rel, folder)
+    for spec in (args.a, args.b):
+        named = [Path(spec) / rel for rel in (args.model, args.trace) if rel]
+        for path in [Path(spec)] if Path(spec).is_file() else named:
+            if path.is_file():
+                try:
+                    read_safetensors_metadata(path)
+                except UnreadableSafetensors as err:
+                    raise _unreadable(err) from None
+
+
+def _refuse_outside(option: str, rel: str, folder: Path) -> None:
+    """``rel`` names a file inside ``folder``: relative, and not leaving it, by ``..`` or link.
+
+    A path that leaves the folders compared reads the same file for both runs, so
+    the answer would be "identical" whatever the runs wrote.
+    """
+    if Path(rel).is_absolute():
+        raise DataError(
+            f"{option} {rel}: an absolute path names one file for both runs; pass the path "
+            f"relative to each compared folder, e.g. {option} {Path(rel).name}"
+        )
+    resolved = (folder / rel).resolve()
+    if not resolved.is_relative_to(folder.resolve()):
+        raise DataError(
+            f"{option} {rel}: {folder / rel} leads outside {folder} (to {resolved}); pass "
+            f"a path that stays inside each compared folder, e.g. {option} {Path(rel).name}"
+        )
+
+
+def _unreadable(err: UnreadableSafetensors) -> DataError:
+    return DataError(
+        f"{err.path}: not a readable weights/trace file ({err}); copy it again, or rerun "
+        "the run that wrote it"
+    )
+
+
+def _not_compared(specs: tuple[str, str], runs: tuple[RunFiles, RunFiles]) -> list[str]:
+    """What was asked about and not compared: a git revision's weights missing from the cache.
+
+    A revision's weights are DVC-cached, its trace is in git; without the cache only
+    the traces are compared. Files and folders are compared as named: two traces
+    are all that was asked about.
+    """
+    revisions = [  # find_run takes a spec for a revision only when no such path exists
+        run.label
+        for spec, run in zip(specs, runs, strict=True)
+        if run.model is None and not Path(spec).exists()
+    ]
+    if not revisions:
+        return []
+    which = " and ".join(dict.fromkeys(revisions))
+    return [
+        f"weights not compared: the model at {which} is not in the DVC cache; "
+        "`dvc fetch --all-commits` (or check the revision out and `dvc pull`) to compare them"
+    ]
+
+
+def _with_notes(result: RunComparison, notes: list[str]) -> RunComparison:
+    return dataclasses.replace(result, notes=[*result.notes, *notes]) if notes else result
+
+
+def _text(result: RunComparison, caveats: list[str]) -> str:
+    """The text report; an "IDENTICAL" verdict names on its own line what it did not compare."""
+    if not result.identical:
+        return _with_notes(result, caveats).to_text()
+    lines = result.to_text().splitlines()
+    return "\n".join(
+        f"{line}; {'; '.join(caveats)}" if caveats and line.startswith("IDENTICAL:") else line
+        for line in lines
+    )
 
 
 def _recording_of(run: Path) -> Path | None:

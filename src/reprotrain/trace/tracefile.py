@@ -14,11 +14,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from reprotrain.hashing import load_safetensors, read_safetensors_metadata
+from reprotrain.hashing import (
+    UnreadableSafetensors,
+    load_safetensors,
+    read_safetensors_metadata,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 Detail = Literal["default", "full"]
 #: Per-row records, in the order a step computes them (and compare checks them).
@@ -28,6 +35,13 @@ FINAL_PARTS = ("parameters", "buffers", "optimizer")
 #: Version 2 added ``final_state``; version 1 files still load (without it).
 FORMAT, VERSION = "reprotrain.trace", 2
 READABLE_VERSIONS = (1, 2)
+#: A trace file's tensors: one row per batch (required, then optional), one per rank.
+_ROWS = ("step", "epoch", "batch_idx", "loss_value", "weights_traced", *RECORDS)
+_OPTIONAL_ROWS = ("rank", "grads_per_param", "params_per_param", "rng_per_source")
+_PER_RANK = ("initial_params", "final_state")
+#: Their dtypes: int64 where not named here.
+_DTYPES = {"loss_value": "float64", "weights_traced": "bool"}
+_METADATA = {"detail": str, "weights_every": int, "param_names": list, "rng_sources": list}
 
 
 @dataclass(frozen=True)
@@ -89,10 +103,20 @@ def is_trace_file(path: str | Path) -> bool:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read a file written by :class:`TraceCallback`; ``ValueError`` if it is not one."""
-    tensors, meta = load_safetensors(path)
+    """Read a file written by :class:`TraceCallback`; ``ValueError`` naming it if it is not one."""
+    try:
+        tensors, meta = load_safetensors(path)
+    except UnreadableSafetensors as err:
+        raise ValueError(
+            f"{path}: not a readable trace file ({err}); copy it again or rerun the training "
+            "that wrote it"
+        ) from None
     if meta.get("format") != FORMAT or meta.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"{path}: not a reprotrain trace (version {VERSION}) file")
+    if problem := _damage(tensors, meta):
+        raise ValueError(
+            f"{path}: a damaged reprotrain trace ({problem}); rerun the training that wrote it"
+        )
     arrays = {name: tensor.numpy() for name, tensor in tensors.items()}
     for values in arrays.values():
         values.flags.writeable = False
@@ -110,3 +134,27 @@ def load_trace(path: str | Path) -> Trace:
         final_state=tuple(tuple(int(v) for v in row) for row in final),
         **arrays,
     )
+
+
+def _damage(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str | None:
+    """What keeps a file that names itself a trace from loading as one; None if nothing.
+
+    Checked before any array is built, so a damaged file is one line, not a traceback.
+    """
+    for key, kind in _METADATA.items():
+        if not isinstance(meta.get(key), kind):
+            return f"metadata {key!r} missing or not a {kind.__name__}"
+    if missing := [name for name in (*_ROWS, "initial_params") if name not in tensors]:
+        return f"no {missing[0]!r} tensor"
+    if unknown := sorted(set(tensors) - {*_ROWS, *_OPTIONAL_ROWS, *_PER_RANK}):
+        return f"an unknown tensor {unknown[0]!r}"
+    for name, tensor in tensors.items():
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype != _DTYPES.get(name, "int64"):
+            return f"{name!r} is {dtype}, not {_DTYPES.get(name, 'int64')}"
+    columns = [tensors[name] for name in (*_ROWS, *_OPTIONAL_ROWS) if name in tensors]
+    if len({tuple(column.shape[:1]) for column in columns}) > 1 or columns[0].ndim == 0:
+        return "per-step columns of different lengths"
+    if tensors["initial_params"].ndim != 1 or tensors["initial_params"].numel() == 0:
+        return "'initial_params' is not one value per rank"
+    return None
