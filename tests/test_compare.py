@@ -449,14 +449,59 @@ def test_identical_revisions_without_the_dvc_cache_say_the_weights_were_not_comp
     (repo / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
     trace = _write_trace((repo / "models").mkdir() or repo / "models" / "trace.safetensors")
     commit_all(repo, "a run whose weights are in no DVC cache")  # the trace is in git
-    done = run_in_process("compare", "HEAD", "HEAD", "--repo", repo)
-    assert done.returncode == 0, done.stderr
-    verdict = done.stdout.splitlines()[-1]
-    assert verdict.startswith("IDENTICAL: the same bits (trace "), done.stdout
-    assert "; weights not compared: the model at HEAD is not in the DVC cache" in verdict
-    as_json = json.loads(run_in_process("compare", "HEAD", "HEAD", "--repo", repo, "--json").stdout)
-    assert any(note.startswith("weights not compared") for note in as_json["notes"])
+
+    def compare_head() -> tuple[str, dict]:
+        done = run_in_process("compare", "HEAD", "HEAD", "--repo", repo)
+        as_json = run_in_process("compare", "HEAD", "HEAD", "--repo", repo, "--json")
+        assert done.returncode == as_json.returncode == 0, done.stderr + as_json.stderr
+        verdict = done.stdout.splitlines()[-1]
+        assert verdict.startswith("IDENTICAL: the same bits (trace "), done.stdout
+        return verdict, json.loads(as_json.stdout)
+
+    # no dvc.lock records the model here: DVC's own reason reaches the user
+    why = "models/model.safetensors at HEAD: cannot read it (PathMissingError: "
+    verdict, as_json = compare_head()
+    assert f"; weights not compared: {why}" in verdict
+    assert as_json["identical"] is True and as_json["weights_equal"] is None
+    assert list(as_json["sha256"]) == ["trace"] and as_json["weights"] == []
+    assert [n for n in as_json["notes"] if n.startswith(f"weights not compared: {why}")]
+    # dvc.lock records it: only its bytes are missing from the cache, and that is the reason
+    md5 = "0123456789abcdef" * 2
+    out = {"path": "models/model.safetensors", "hash": "md5", "md5": md5, "size": 4}
+    stage = {"cmd": "reprotrain train", "outs": [out]}
+    (repo / "dvc.lock").write_text(json.dumps({"schema": "2.0", "stages": {"train": stage}}))
+    commit_all(repo, "the run's lock")
+    why = f"models/model.safetensors at HEAD: dvc.lock there records it (md5 {md5}), but it "
+    verdict, as_json = compare_head()
+    assert f"; weights not compared: {why}is not in the DVC cache here" in verdict, verdict
+    assert "PathMissingError" not in verdict  # DVC's "neither as a DVC output" is not true
+    assert as_json["weights_equal"] is None
+    assert [n for n in as_json["notes"] if n.startswith(f"weights not compared: {why}")]
     # negative control: two trace files are all the user asked about; nothing is missing
     files = run_in_process("compare", trace, trace)
     assert files.returncode == 0 and "IDENTICAL" in files.stdout
     assert "not compared" not in files.stdout, files.stdout
+    files_json = json.loads(run_in_process("compare", trace, trace, "--json").stdout)
+    assert files_json["weights_equal"] is None  # not compared, but nothing was missing
+    assert not [note for note in files_json["notes"] if "not compared" in note]
+
+
+def test_json_weights_equal_is_null_unless_weights_were_compared(tmp_path: Path) -> None:
+    from tests.helpers import run_in_process
+
+    def weights_equal(a: Path, b: Path) -> object:
+        done = run_in_process("compare", a, b, "--json")
+        assert done.returncode in (0, 1), done.stderr
+        return json.loads(done.stdout)["weights_equal"]
+
+    traces = [_write_trace(tmp_path / f"t{shift}.safetensors", shift) for shift in (0, 1)]
+    weights = [
+        _write_weights(tmp_path / f"w{i}.safetensors", shift) for i, shift in ((0, 0), (1, 1))
+    ]
+    same = _write_weights(tmp_path / "same.safetensors")
+    # traces that differ load the weights report too; it had said true with no weights
+    assert weights_equal(traces[0], traces[1]) is None
+    assert weights_equal(traces[0], traces[0]) is None
+    # controls: weights compared say what they found
+    assert weights_equal(weights[0], same) is True
+    assert weights_equal(weights[0], weights[1]) is False

@@ -91,3 +91,22 @@ def test_noise_floor_refuses_one_run_and_a_deterministic_override() -> None:
     assert one.returncode == 2 and "at least 2 runs" in one.stderr
     override = run_in_process("noise-floor", "-S", "deterministic=true")
     assert override.returncode == 2 and "drop that override" in override.stderr
+
+
+def test_a_workdir_holding_earlier_runs_is_refused_before_any_run(tmp_path: Path) -> None:
+    work, missing_yaml = tmp_path / "W", tmp_path / "dvc.yaml"
+    (work / "default-1").mkdir(parents=True)
+    (work / "default-1" / "notes.txt").write_text("mine\n")
+    done = run_in_process("noise-floor", "--workdir", work, "--dvc-yaml", missing_yaml)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr == (
+        f"reprotrain: error: --workdir {work}: already holds default-1 from before; "
+        "name an empty or new folder (verify never deletes runs)\n"
+    )
+    assert (work / "default-1" / "notes.txt").read_text() == "mine\n"
+    assert sorted(p.name for p in work.iterdir()) == ["default-1"]
+    # control: a new workdir passes that check; the next one (no dvc.yaml) speaks, no training
+    new = tmp_path / "new"
+    done = run_in_process("noise-floor", "--workdir", new, "--dvc-yaml", missing_yaml)
+    assert done.returncode == 2 and "--workdir" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"reprotrain: error: {missing_yaml}: not found"), done.stderr

@@ -18,7 +18,10 @@ environment record it trained under. ``find_run`` accepts
 ``compare_runs`` says "identical" only when the weights and the traces are
 the same bytes; otherwise it explains with the library's comparisons (first
 diverging step and record, per-tensor weights, environment and run-input
-differences).
+differences). What it could not compare it says, with the reason: a
+revision's weights missing from the DVC cache leave only the traces, and then
+"identical" carries "weights not compared" and the JSON's ``weights_equal`` is
+``null``.
 
 Fresh runs to compare come from :mod:`reprotrain.commands._rerun`.
 """
@@ -65,6 +68,8 @@ class RunFiles:
     trace: Path | None = None
     record: Path | None = None
     environment: Path | None = None
+    #: Why a file the run has could not be read (a revision's, out of the DVC cache), by name.
+    unread: dict[str, str] = field(default_factory=dict, hash=False)
 
     def files(self) -> dict[str, Path]:
         found = {"model": self.model, "trace": self.trace, "record": self.record}
@@ -131,14 +136,50 @@ def run_at_revision(repo: Path, rev: str, scratch: Path) -> RunFiles:
             ):
                 tmp.write_bytes(src.read())
         except (DvcException, FileNotFoundError) as err:
-            unread[name] = f"{rel} at {rev}: cannot read it ({type(err).__name__}: {err})"
+            unread[name] = _why_unread(repo, rev, rel, err)
             continue
         found[name] = dest
     if "model" not in found and "trace" not in found:  # a trace in git is enough to compare
         raise DataError(
             f"{unread['model']}; `dvc pull` that revision's outputs or rerun it with `dvc repro`"
         )
-    return RunFiles(rev, found.get("model"), *(found.get(name) for name in FLAT if name != "model"))
+    others = (found.get(name) for name in FLAT if name != "model")
+    return RunFiles(rev, found.get("model"), *others, unread=unread)
+
+
+def _why_unread(repo: Path, rev: str, rel: str, err: Exception) -> str:
+    """Why ``rel`` at ``rev`` could not be read, in words that are true.
+
+    DVC answers an output missing from the cache (and any remote) with "does not exist
+    ... neither as a DVC output nor as a Git-tracked file"; when ``dvc.lock`` at ``rev``
+    records the output, only its bytes are missing, and that is what is said.
+    """
+    from dvc.exceptions import PathMissingError
+
+    md5 = _locked_md5(git_show(repo, rev, "dvc.lock"), rel)
+    if md5 is not None and isinstance(err, PathMissingError):
+        return (
+            f"{rel} at {rev}: dvc.lock there records it (md5 {md5}), but it is not in the "
+            "DVC cache here (nor in a remote DVC could read)"
+        )
+    return f"{rel} at {rev}: cannot read it ({type(err).__name__}: {err})"
+
+
+def _locked_md5(lock: bytes | None, rel: str) -> str | None:
+    """The md5 a ``dvc.lock`` (its bytes) records for the output ``rel``; None if none."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(lock) if lock else None
+    except yaml.YAMLError:
+        return None  # the revision's own commands say so; here it only words a reason
+    stages = data.get("stages") if isinstance(data, dict) else None
+    for stage in stages.values() if isinstance(stages, dict) else ():
+        outs = stage.get("outs") if isinstance(stage, dict) else None
+        for out in outs if isinstance(outs, list) else ():
+            if isinstance(out, dict) and out.get("path") == rel and out.get("md5"):
+                return str(out["md5"])
+    return None
 
 
 def named_files(spec: str, model: str | None = None, trace: str | None = None) -> RunFiles:
@@ -217,6 +258,8 @@ class RunComparison:
     report: ComparisonReport | None = None
     run_ids: tuple[str | None, str | None] = (None, None)
     notes: list[str] = field(default_factory=list)
+    #: What a run holds but could not be compared, and why; said on the "identical" line.
+    not_compared: list[str] = field(default_factory=list)
     #: The first differing op, from op recordings of the first diverging step (ops.align).
     ops: dict[str, Any] | None = None
     ops_text: str | None = None
@@ -232,16 +275,27 @@ class RunComparison:
             "identical": self.identical,
             "run_ids": list(self.run_ids),
             "sha256": {name: list(pair) for name, pair in self.hashes.items()},
-            "notes": self.notes,
+            "notes": [*self.notes, *self.not_compared],
             "trace": None,
             "weights": [],
-            "weights_equal": self.identical,
             "environment": [{**asdict(d), "voids": d.voids} for d in self.environment],
             "inputs": [asdict(d) for d in self.inputs],
             "guarantee_applies": not any(d.voids for d in self.environment),
             "ops": self.ops,
             **(self.report.to_dict() if self.report else {}),
+            "weights_equal": self.weights_equal,
         }
+
+    @property
+    def weights_equal(self) -> bool | None:
+        """The final weights: the same values (bits), or ``None`` when they were not compared."""
+        if "model" not in self.hashes:
+            return None
+        a, b = self.hashes["model"]
+        if a == b:
+            return True
+        weights = self.report.weights if self.report is not None else []
+        return bool(weights) and all(d.equal for d in weights)  # only the metadata may differ
 
     def to_text(self) -> str:
         lines = [f"a: {self.a.label}", f"b: {self.b.label}"]
@@ -250,10 +304,11 @@ class RunComparison:
             ids = " vs ".join(str(r)[:12] for r in self.run_ids)
             lines.append(f"run IDs: {ids} ({same})")
         lines += [f"note: {note}" for note in self.notes]
-        if self.identical:
+        if self.identical:  # the verdict line itself says what it did not compare
             compared = ", ".join(f"{name} {a[:12]}" for name, (a, _) in self.hashes.items())
-            lines.append(f"IDENTICAL: the same bits ({compared})")
+            lines.append("; ".join([f"IDENTICAL: the same bits ({compared})", *self.not_compared]))
             return "\n".join(lines)
+        lines += [f"note: {note}" for note in self.not_compared]
         unequal = [name for name, (a, b) in self.hashes.items() if a != b]
         lines.append(f"DIFFERENT: {', '.join(unequal)} differ")
         if self.report is not None:
@@ -286,11 +341,18 @@ def with_op_diff(result: RunComparison, a: Path, b: Path, matched: str = "") -> 
 
 def compare_runs(a: RunFiles, b: RunFiles, plot: Path | None = None) -> RunComparison:
     """Compare two runs' bytes; load and explain traces and weights only when they differ."""
-    hashes, notes = {}, []
+    hashes, notes, not_compared = {}, [], []
+    unread = "; ".join(dict.fromkeys(r.unread["model"] for r in (a, b) if "model" in r.unread))
     if a.model and b.model:
         hashes["model"] = (sha256_file(a.model), sha256_file(b.model))
     elif a.model or b.model:
-        notes.append("only one run has weights: no weights comparison")
+        why = f" ({unread})" if unread else ""
+        notes.append(f"only one run has weights: no weights comparison{why}")
+    elif unread:  # two trace files compare as asked; a revision's weights were asked about too
+        not_compared.append(
+            f"weights not compared: {unread}; `dvc fetch --all-commits` (or check the "
+            "revision out and `dvc pull`) to compare them"
+        )
     if a.trace and b.trace:
         hashes["trace"] = (sha256_file(a.trace), sha256_file(b.trace))
     elif a.trace or b.trace:
@@ -315,7 +377,7 @@ def compare_runs(a: RunFiles, b: RunFiles, plot: Path | None = None) -> RunCompa
         if weights and all(d.equal for d in weights) and model_bytes_differ:
             notes.append("the weights are the same bits; the model files differ in metadata only")
     run_ids = (record_a.get("run_id"), record_b.get("run_id"))
-    return RunComparison(a, b, hashes, inputs, environment, report, run_ids, notes)
+    return RunComparison(a, b, hashes, inputs, environment, report, run_ids, notes, not_compared)
 
 
 def _explain(

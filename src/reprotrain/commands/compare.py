@@ -17,21 +17,20 @@ refused in one line (exit 2) before anything is compared: ``--model``/``--trace`
 must stay inside each folder (an absolute path would read one file for both
 runs), ``--plot`` must name a file, a file to read must be a readable safetensors
 file. "Identical" names what was compared, and a revision whose weights are not
-in the DVC cache says so on the verdict line: the same trace is not the same model.
+in the DVC cache says so on the verdict line, with the reason DVC gave (in
+``--json``: ``weights_equal`` is ``null`` and the reason is in ``notes``): the
+same trace is not the same model.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 from pathlib import Path
 
 from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.commands._rundiff import (
     OPS_FOLDER,
-    RunComparison,
-    RunFiles,
     compare_runs,
     find_run,
     with_op_diff,
@@ -72,11 +71,10 @@ def run(_: object, args: argparse.Namespace) -> int:
     recordings = [_recording_of(Path(spec)) for spec in (args.a, args.b)]
     if not result.identical and all(folder is not None for folder in recordings):
         result = with_op_diff(result, *recordings)
-    caveats = _not_compared((args.a, args.b), (a, b))
     if args.json:
-        print(canonical_json(_with_notes(result, caveats).to_dict()), end="")
+        print(canonical_json(result.to_dict()), end="")
     else:
-        print(_text(result, caveats))
+        print(result.to_text())
         if args.plot:
             plotted = all(run.trace is not None for run in (a, b))
             print(f"loss plot: {args.plot}" if plotted else "no loss plot: a run has no trace")
@@ -128,42 +126,6 @@ def _unreadable(err: UnreadableSafetensors) -> DataError:
     return DataError(
         f"{err.path}: not a readable weights/trace file ({err}); copy it again, or rerun "
         "the run that wrote it"
-    )
-
-
-def _not_compared(specs: tuple[str, str], runs: tuple[RunFiles, RunFiles]) -> list[str]:
-    """What was asked about and not compared: a git revision's weights missing from the cache.
-
-    A revision's weights are DVC-cached, its trace is in git; without the cache only
-    the traces are compared. Files and folders are compared as named: two traces
-    are all that was asked about.
-    """
-    revisions = [  # find_run takes a spec for a revision only when no such path exists
-        run.label
-        for spec, run in zip(specs, runs, strict=True)
-        if run.model is None and not Path(spec).exists()
-    ]
-    if not revisions:
-        return []
-    which = " and ".join(dict.fromkeys(revisions))
-    return [
-        f"weights not compared: the model at {which} is not in the DVC cache; "
-        "`dvc fetch --all-commits` (or check the revision out and `dvc pull`) to compare them"
-    ]
-
-
-def _with_notes(result: RunComparison, notes: list[str]) -> RunComparison:
-    return dataclasses.replace(result, notes=[*result.notes, *notes]) if notes else result
-
-
-def _text(result: RunComparison, caveats: list[str]) -> str:
-    """The text report; an "IDENTICAL" verdict names on its own line what it did not compare."""
-    if not result.identical:
-        return _with_notes(result, caveats).to_text()
-    lines = result.to_text().splitlines()
-    return "\n".join(
-        f"{line}; {'; '.join(caveats)}" if caveats and line.startswith("IDENTICAL:") else line
-        for line in lines
     )
 
 

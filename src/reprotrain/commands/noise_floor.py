@@ -16,6 +16,9 @@ It measures; it does not assume. On a CPU the default mode is usually
 already repeatable, and then it says "identical" for both modes: there is
 no noise floor to report on that machine. Numbers compare runs on one
 machine only; across GPU models or library versions see ``reprotrain compare``.
+
+``--workdir DIR`` keeps the runs there; it must be new or empty (a file, or a
+folder holding anything, is refused before any run), so no earlier run is replaced.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from reprotrain.atomic import atomic_write_text
-from reprotrain.commands._rerun import Workspace, rerun_workspace, train_fresh
+from reprotrain.commands._rerun import Workspace, ready_workdir, rerun_workspace, train_fresh
 from reprotrain.commands._rundiff import (
     FLAT,
     METRICS,
@@ -47,7 +50,9 @@ MODES = {"default": "false", "deterministic": "true"}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=3, help="same-seed runs per mode (>= 2)")
     add_dvc_yaml(parser)
-    parser.add_argument("--workdir", type=Path, help="keep the run folders here")
+    parser.add_argument(
+        "--workdir", type=Path, help="keep the run folders here (a new or empty folder)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--out", type=Path, help="also write the JSON report to this file")
     add_override_option(parser, "params override for every run, e.g. -S train.max_epochs=1")
@@ -69,6 +74,8 @@ def run(_: object, args: argparse.Namespace) -> int:
             "-S deterministic=...: noise-floor sets `deterministic` itself (false, then true); "
             "drop that override"
         )
+    if args.workdir is not None:  # before any run: train_fresh replaces a run folder it finds
+        ready_workdir(args.workdir, fresh=True)
     with rerun_workspace(args.dvc_yaml, args.workdir, "noise-floor") as workspace:
         return _noise_floor(args, workspace)
 
