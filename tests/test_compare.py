@@ -243,6 +243,13 @@ def test_report_renders_text_and_json(tmp_path: Path) -> None:
     assert data["weights_equal"] is False
 
 
+def test_a_reports_weights_equal_is_null_when_it_holds_no_weights() -> None:
+    """A library user's report of traces alone says nothing about weights, not "equal"."""
+    assert ComparisonReport(trace=None).to_dict()["weights_equal"] is None
+    same = compare_weights({"w": torch.zeros(2)}, {"w": torch.zeros(2)})
+    assert ComparisonReport(weights=same).to_dict()["weights_equal"] is True  # the control
+
+
 def test_plot_losses_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "plots" / "loss.png"

@@ -45,7 +45,7 @@ class ComparisonReport:
         return {
             "trace": None if self.trace is None else self.trace.to_dict(),
             "weights": [_json_safe({**asdict(d), "equal": d.equal}) for d in self.weights],
-            "weights_equal": all(d.equal for d in self.weights),
+            "weights_equal": all(d.equal for d in self.weights) if self.weights else None,
             "environment": [{**asdict(d), "voids": d.voids} for d in self.environment],
             "inputs": [asdict(d) for d in self.inputs],
             "guarantee_applies": self.guarantee_applies,
