@@ -9,6 +9,8 @@ safetensors' NumPy writer, so no run imports torch unless the test needs a
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -428,3 +430,140 @@ def test_run_passes_out_on_as_written_and_only_verify_says_it_replaces_it(
     assert "{out}" not in run_cli("run", "--help", cwd=tmp_path).stdout
     verify_help = " ".join(run_cli("verify", "--help", cwd=tmp_path).stdout.split())
     assert "{out} in it becomes the run's own folder" in verify_help
+
+
+def test_a_run_that_failed_having_written_nothing_leaves_nothing_to_block_a_retry(
+    tmp_path: Path,
+) -> None:
+    work = tmp_path / "runs"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine\n")  # there before: never touched
+    failed = run_cli("verify", "--workdir", work, "--", "nosuchcmd", cwd=tmp_path)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr
+    (error,) = _error_lines(failed)
+    assert error == (
+        "reprotrain: error: nosuchcmd: No such file or directory; check the command after `--`"
+    )
+    assert sorted(p.name for p in work.iterdir()) == ["notes.txt"]
+    new = tmp_path / "new" / "dir"  # folders the failed verify made are gone too
+    gone = run_cli("verify", "--workdir", new, "--", "sh", "-c", "exit 3", cwd=tmp_path)
+    assert gone.returncode == 2 and _error_lines(gone)[0].endswith("exited 3 and printed nothing")
+    assert not (tmp_path / "new").exists()
+    write = ("--", "sh", "-c", "echo 1 > {out}/a.txt")
+    retry = run_cli("verify", "--workdir", work, *write, cwd=tmp_path)
+    assert retry.returncode == 0, retry.stdout + retry.stderr
+    assert (work / "notes.txt").read_text() == "mine\n"
+
+
+def test_a_failed_run_that_printed_is_kept_and_the_retry_says_what_to_delete(
+    tmp_path: Path,
+) -> None:
+    work = tmp_path / "runs"
+    failed = run_cli("verify", "--workdir", work, "--", "sh", "-c", "echo oops; exit 3",
+                     cwd=tmp_path)  # fmt: skip
+    assert failed.returncode == 2, failed.stderr
+    (error,) = _error_lines(failed)
+    assert error.endswith(f"exited 3 (oops); see {work}/run-0.log")
+    assert (work / "run-0.log").read_text() == "oops\n"  # what the line points to
+    write = ("--", "sh", "-c", "echo 1 > {out}/a.txt")
+    again = run_cli("verify", "--workdir", work, *write, cwd=tmp_path)
+    assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
+    assert "run-0 is already there from an earlier verify (and run-0.log); " in again.stderr
+    rm = again.stderr.split("delete them (`")[1].split("`)")[0]
+    assert rm == f"rm -r {work}/run-0 {work}/run-0.log"
+    subprocess.run(shlex.split(rm), check=True)  # as told
+    retry = run_cli("verify", "--workdir", work, *write, cwd=tmp_path)
+    assert retry.returncode == 0, retry.stdout + retry.stderr
+
+
+def test_a_failed_verify_leaves_no_temporary_folder_unless_its_line_names_it(
+    tmp_path: Path,
+) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    for cmd in (["nosuchcmd"], ["sh", "-c", "exit 3"], ["sh", "-c", "echo hi"]):
+        done = run_cli("verify", "--", *cmd, cwd=tmp_path, TMPDIR=str(scratch))
+        assert done.returncode == 2 and len(_error_lines(done)) == 1, done.stderr
+        assert "see " not in done.stderr and list(scratch.iterdir()) == [], cmd
+    printed = run_cli("verify", "--", "sh", "-c", "echo oops; exit 3", cwd=tmp_path,
+                      TMPDIR=str(scratch))  # fmt: skip
+    (kept,) = scratch.iterdir()  # control: the log of a run that printed, named in its line
+    assert _error_lines(printed)[0].endswith(f"(oops); see {kept}/run-0.log")
+
+
+def test_a_relative_workdir_gives_the_command_an_absolute_out(tmp_path: Path) -> None:
+    write = 'cd / && echo 1 > "$REPROTRAIN_OUT/a.txt" && echo 2 > {out}/b.txt'
+    done = run_cli("verify", "--workdir", "relw", "--", "sh", "-c", write, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0] == "reprotrain verify: IDENTICAL: 2 runs, a.txt, b.txt"
+    assert (tmp_path / "relw" / "run-1" / "a.txt").read_text() == "1\n"
+
+
+def test_a_file_name_that_is_not_utf8_is_printed_escaped_with_its_verdict(
+    tmp_path: Path,
+) -> None:
+    pid = 'echo $$ > "$REPROTRAIN_OUT/$(printf "a\\377b").txt"'
+    env = {"PYTHONIOENCODING": "utf-8", "TMPDIR": str(tmp_path)}  # runs that differ are kept
+    done = run_cli("verify", "--", "sh", "-c", pid, cwd=tmp_path, **env)
+    assert done.returncode == 4 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.splitlines()[2].startswith("  a\\xffb.txt (file): differs (text, line 1: ")
+    same = pid.replace("$$", "1")  # control: the same bytes in both runs
+    json_ = run_cli("verify", "--json", "--", "sh", "-c", same, cwd=tmp_path, **env)
+    assert json_.returncode == 0, json_.stderr
+    assert json.loads(json_.stdout)["outputs"] == ["a\\xffb.txt"]
+
+
+def test_a_negative_ops_step_and_threads_without_a_cpu_profile_are_refused(
+    tmp_path: Path,
+) -> None:
+    work = tmp_path / "runs"
+    for step in ("-1", "x"):
+        done = run_cli("verify", "--workdir", work, "--ops-step", step, "--", "true", cwd=tmp_path)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith(
+            f"reprotrain: error: argument --ops-step: {step!r}: give a step number >= 0"
+        )
+    for verb in ("run", "verify"):
+        done = run_cli(verb, "--threads", "2", "--", "true", cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr == (
+            "reprotrain: error: --threads 2: needs --cpu-profile, the only thing that reads it; "
+            "add --cpu-profile portable (or native), or drop --threads\n"
+        )
+    assert not work.exists()  # refused before any run
+    alone = run_cli("verify", "--threads", "2", cwd=tmp_path)
+    assert alone.returncode == 2 and "--threads: only with `-- CMD`" in alone.stderr
+    write = ("--", "sh", "-c", "echo 1 > {out}/a.txt")
+    control = run_cli("verify", "--ops-step", "0", "--cpu-profile", "native", "--threads", "2",
+                      *write, cwd=tmp_path)  # fmt: skip
+    assert control.returncode == 0, control.stderr
+
+
+#: Weights that differ in every run (the pid); with ``FAIL_RECORDING`` its op-recording
+#: rerun (``REPROTRAIN_RECORD_OPS`` set) exits 3.
+RECORD_FAILS = """
+import os, sys
+import numpy as np
+from safetensors.numpy import save_file
+if os.environ.get("FAIL_RECORDING") and "REPROTRAIN_RECORD_OPS" in os.environ:
+    print("cannot record here")
+    raise SystemExit(3)
+save_file({"w": np.full(2, float(os.getpid()))}, f"{sys.argv[1]}/model.safetensors")
+"""
+
+
+def test_an_ops_rerun_that_fails_leaves_the_verdict_and_says_why_the_op_is_not_named(
+    tmp_path: Path,
+) -> None:
+    done = _verify(tmp_path, script=RECORD_FAILS, FAIL_RECORDING="1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("reprotrain verify: NOT REPRODUCIBLE: ")
+    (diagnosis,) = [line for line in lines if "op-level" in line]
+    log = tmp_path / "runs" / "run-0-ops.log"
+    assert diagnosis.startswith("  op-level diagnosis not made (step 0): ops rerun 0 of `")
+    assert diagnosis.endswith(f"exited 3 (cannot record here); see {log}")
+    assert log.read_text() == "cannot record here\n"
+    control = _verify(tmp_path / "control", script=RECORD_FAILS)  # the reruns run
+    assert control.returncode == 1, control.stdout + control.stderr
+    assert "op-level" not in control.stdout and "  ops of step 0:" in control.stdout

@@ -2,13 +2,13 @@
 
 Runs CMD ``--runs`` times, each in a fresh process started like ``reprotrain
 run`` does (hash seed, cuBLAS workspace, optional CPU profile) with its own
-scratch folder: ``{out}`` in CMD is replaced by it and ``REPROTRAIN_OUT``
-names it; ``REPROTRAIN_RUN_INDEX`` is the run's number; a line on stderr says
-when each run starts and how long it took. The files the user names with
-``--output`` (default: every file any run wrote there) each get a verdict from
-:func:`reprotrain.compare.files.compare_files` (tensors, checkpoints, any other
-file by bytes with the run's folder as ``{out}``); every other run is
-compared with run 0. When a tensor differs it goes down a level at a time:
+scratch folder: ``{out}`` in CMD is replaced by its absolute path and
+``REPROTRAIN_OUT`` names it; ``REPROTRAIN_RUN_INDEX`` is the run's number; a
+line on stderr says when each run starts and how long it took. The files the
+user names with ``--output`` (default: every file any run wrote there) each
+get a verdict from :func:`reprotrain.compare.files.compare_files` (tensors,
+checkpoints, any other file by bytes with the run's folder as ``{out}``);
+every other run is compared with run 0. When a tensor differs it goes down a level at a time:
 
 1. which tensors differ, by how much (a trace's fingerprints: which differ);
 2. the first diverging step, when a trace (:class:`~reprotrain.trace.callback.TraceCallback`)
@@ -17,7 +17,8 @@ compared with run 0. When a tensor differs it goes down a level at a time:
    set to that step (``--ops-step`` when there is no trace; default 0), which
    :class:`~reprotrain.ops.recorder.OpRecorder` and
    :func:`~reprotrain.ops.recorder.record_step` read, and aligns the two
-   recordings (:mod:`reprotrain.ops.align`).
+   recordings (:mod:`reprotrain.ops.align`). A rerun that fails leaves the verdict
+   as it is, with one line saying the op was not named: the rerun's error, its log.
 
 Exit codes (:data:`EXIT_CODES`), worst file first: 1 NOT REPRODUCIBLE (a
 tensor differs; the scratch folders are kept); 5 UNREADABLE (a file cannot be
@@ -28,7 +29,15 @@ pipeline's runs take; a run that failed (its error line and its log); a
 command that wrote nothing under ``{out}``; an ``--output`` a run did not write,
 or one that is not a relative path inside the run's folder; a compared file that
 is a link resolving outside its run's folder (not that run's output: another
-file's bytes would be judged); a ``--workdir`` that is a file.
+file's bytes would be judged); a ``--workdir`` that is a file, or that holds an
+earlier verify's runs (the line names them and how to delete them).
+
+A verify that ends with no verdict removes what it made (the temporary folder;
+in ``--workdir`` the run folders, logs and folders it created, never what was
+there before), so the same command can be run again, unless a failed run left
+something to look at: its log, or files in its folder, which the error line names.
+Output is printed as stdout can encode it: a file name's bytes that are not
+UTF-8 as ``\\xNN``.
 """
 
 from __future__ import annotations
@@ -54,7 +63,12 @@ from reprotrain.commands._exit_codes import (
 )
 from reprotrain.commands._rerun import ready_workdir
 from reprotrain.commands._rundiff import OPS_FOLDER
-from reprotrain.commands.run import command_of, launch_environment, launch_variables
+from reprotrain.commands.run import (
+    command_of,
+    launch_environment,
+    launch_threads,
+    launch_variables,
+)
 from reprotrain.compare.files import FileVerdict, compare_files, one_sided
 from reprotrain.determinism import (
     EXPLAINED_PREFIX,
@@ -68,8 +82,39 @@ from reprotrain.provenance.environment import git_state
 from reprotrain.trace.tracefile import is_trace_file, load_trace
 
 
-def _start(cmd: list[str], folder: Path, index: int, base: dict[str, str], extra: dict) -> None:
-    """Run CMD once into ``folder``; a failed run is a DataError naming its log."""
+class RunFailed(DataError):
+    """A run (or an ops rerun) that could not start or exited non-zero.
+
+    ``evidence`` is what it left to look at: its log if it printed anything, else its
+    folder if it wrote anything there, else None (nothing worth keeping); the message
+    points to it.
+    """
+
+    def __init__(self, reason: str, log: Path, folder: Path, hint: str = "") -> None:
+        self.reason, self.log, self.folder = reason, log, folder
+        if _holds_anything(log):
+            self.evidence: Path | None = log
+            where = f"; see {log}"
+        elif _holds_anything(folder):
+            self.evidence = folder
+            where = f"; what it wrote is in {folder}"
+        else:
+            self.evidence = None
+            where = ""
+        super().__init__(f"{reason}{where}{hint}")
+
+
+def _holds_anything(path: Path) -> bool:
+    """A file that is not empty, or a folder with a file in it (at any depth)."""
+    if path.is_file():
+        return path.stat().st_size > 0
+    return path.is_dir() and any(p.is_file() for p in path.rglob("*"))
+
+
+def _start(
+    cmd: list[str], folder: Path, index: int, base: dict[str, str], extra: dict, what: str
+) -> None:
+    """Run CMD once into ``folder``; a failed run is a :class:`RunFailed` naming its log."""
     folder.mkdir(parents=True)
     argv = [part.replace("{out}", str(folder)) for part in cmd]
     env = {**base, "REPROTRAIN_OUT": str(folder), "REPROTRAIN_RUN_INDEX": str(index), **extra}
@@ -78,16 +123,18 @@ def _start(cmd: list[str], folder: Path, index: int, base: dict[str, str], extra
         try:
             done = subprocess.run(argv, env=env, stdout=sink, stderr=subprocess.STDOUT, check=False)
         except OSError as err:
-            raise DataError(f"{cmd[0]}: {err.strerror}; check the command after `--`") from None
+            raise RunFailed(
+                f"{cmd[0]}: {err.strerror}; check the command after `--`", log, folder
+            ) from None
     if done.returncode != 0:
         text = log.read_text(errors="replace")
+        head = f"{what} {index} of `{shlex.join(cmd)}` exited {done.returncode}"
         if explained := explained_alert(text):  # the whole line: op, where, choices
-            raise DataError(f"run {index} of `{shlex.join(cmd)}` exited {done.returncode}: "
-                            f"{explained}; see {log}")  # fmt: skip
-        raise DataError(
-            f"run {index} of `{shlex.join(cmd)}` exited {done.returncode} "
-            f"({failure_line(text)[:200]}); see {log}{_interpreter_hint(text, argv[0], env)}"
-        )
+            raise RunFailed(f"{head}: {explained}", log, folder)
+        if not text.strip():
+            raise RunFailed(f"{head} and printed nothing", log, folder)
+        hint = _interpreter_hint(text, argv[0], env)
+        raise RunFailed(f"{head} ({failure_line(text)[:200]})", log, folder, hint)
 
 
 def explained_alert(log: str) -> str | None:
@@ -215,7 +262,7 @@ def _timed_start(
         file=sys.stderr,
         flush=True,
     )
-    _start(cmd, folder, index, base, extra)
+    _start(cmd, folder, index, base, extra, what)
     print(
         f"reprotrain verify: {what} {index} finished in {time.monotonic() - began:.1f} s",
         file=sys.stderr,
@@ -231,26 +278,33 @@ def verify_script(args: argparse.Namespace) -> int:
     for name in args.outputs:
         _refuse_outside_output(name)
     base = launch_environment(args, os.environ)
+    # absolute: {out} and REPROTRAIN_OUT must name the folder wherever the command cd's to
     if args.workdir is not None:
+        workdir = args.workdir.absolute()
+        made = _missing_folders(workdir)
         ready_workdir(args.workdir)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="reprotrain-verify-"))
+        _refuse_earlier_runs(args.workdir, workdir, args.runs)
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix="reprotrain-verify-")).absolute()
+        made = [workdir]
     folders = [workdir / f"run-{i}" for i in range(args.runs)]
-    if taken := [f for f in folders if f.exists() or f.with_name(f"{f.name}.log").exists()]:
-        raise DataError(
-            f"--workdir {workdir}: {taken[0].name} is already there from an earlier verify; "
-            "name an empty or new folder (verify never deletes runs)"
-        )
-    for index, folder in enumerate(folders):
-        _timed_start(cmd, folder, index, base, {}, "run")
-    names = _outputs(folders, args.outputs)
-    if not names:
-        raise DataError(
-            f"`{shlex.join(cmd)}` wrote nothing under {{out}} ({folders[0]}), so nothing was "
-            "compared: pass {out} to it as its output folder (Hydra: hydra.run.dir={out})"
-        )
+    try:
+        for index, folder in enumerate(folders):
+            _timed_start(cmd, folder, index, base, {}, "run")
+        names = _outputs(folders, args.outputs)
+        if not names:
+            raise DataError(
+                f"`{shlex.join(cmd)}` wrote nothing under {{out}} ({folders[0]}), so nothing was "
+                "compared: pass {out} to it as its output folder (Hydra: hydra.run.dir={out})"
+            )
+    except BaseException as err:  # removed unless it left something to look at; re-raised
+        if not (isinstance(err, RunFailed) and err.evidence is not None):
+            _discard(workdir, args.runs, made, temporary=args.workdir is None)
+        raise
     verdicts = [_worst_verdict(name, folders, bool(args.outputs)) for name in names]
     verdict = overall_verdict(verdicts)
     differing = [v for v in verdicts if not v.identical]
+    kept = verdict != "IDENTICAL" or args.workdir is not None
     report: dict[str, Any] = {
         "command": shlex.join(cmd),
         "runs": args.runs,
@@ -259,23 +313,89 @@ def verify_script(args: argparse.Namespace) -> int:
         "identical": verdict == "IDENTICAL",
         "files": [v.to_dict() for v in verdicts],
         "differing": {v.name: v.detail_lines() or [v.summary()] for v in differing},
+        "workdir": str(workdir) if kept else None,
     }
     if verdict == "NOT REPRODUCIBLE":
         readable = [v.name for v in verdicts if v.status != "unreadable"]
         report.update(_locate(cmd, folders, readable, base, args.ops_step))
-    kept = verdict != "IDENTICAL" or args.workdir is not None
     if args.json:
-        print(canonical_json(report), end="")
+        print(canonical_json(printable(report)), end="")
     else:
-        print(_text(report, verdicts, workdir if kept else None))
+        print(printable(_text(report, verdicts, workdir if kept else None)))
     if not kept:  # a temporary folder of runs that proved identical: nothing left to look at
         shutil.rmtree(workdir, ignore_errors=True)
     elif verdict == "IDENTICAL":  # what `reprotrain attest --verified` states of these runs
         facts = {"command": cmd, "cwd": str(Path.cwd()), "runs": args.runs, "outputs": names}
-        facts["launch"] = launch_variables(args.cpu_profile, args.threads)
+        facts["launch"] = launch_variables(args.cpu_profile, launch_threads(args))
         facts["commit"] = git_state(Path.cwd())["commit"]
-        atomic_write_text(workdir / VERIFIED_FILE, canonical_json(facts))
+        atomic_write_text(workdir / VERIFIED_FILE, canonical_json(printable(facts, "utf-8")))
     return EXIT_CODES[verdict]
+
+
+def _written_paths(workdir: Path, runs: int) -> list[Path]:
+    """Every path verify writes in ``workdir``: runs, the two ops reruns, their logs."""
+    names = [f"run-{i}" for i in range(runs)] + [f"run-{i}-ops" for i in range(2)]
+    return [workdir / n for name in names for n in (name, f"{name}.log")] + [
+        workdir / VERIFIED_FILE
+    ]
+
+
+def _refuse_earlier_runs(given: Path, workdir: Path, runs: int) -> None:
+    """Nothing of an earlier verify is replaced: refused, naming exactly what to delete."""
+    if taken := [p for p in _written_paths(workdir, runs) if p.exists() or p.is_symlink()]:
+        more = f" (and {', '.join(p.name for p in taken[1:])})" if taken[1:] else ""
+        rm = shlex.join(["rm", "-r", *map(str, taken)])
+        raise DataError(
+            f"--workdir {given}: {taken[0].name} is already there from an earlier verify{more}; "
+            f"verify never deletes earlier runs: delete them (`{rm}`) or name an empty or new "
+            "folder"
+        )
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and those of its parents not there yet, deepest first: what mkdir makes."""
+    missing = []
+    for path in (folder, *folder.parents):
+        if path.exists() or path.is_symlink():
+            break
+        missing.append(path)
+    return missing
+
+
+def _discard(workdir: Path, runs: int, made: list[Path], temporary: bool) -> None:
+    """Remove what this verify made (it refused to start where any of it was there):
+    a temporary folder whole; in ``--workdir`` the runs' paths, then the folders it made."""
+    if temporary:
+        shutil.rmtree(workdir, ignore_errors=True)
+        return
+    for path in _written_paths(workdir, runs):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+    for folder in made:  # deepest first; one the command wrote into stays
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+
+
+def printable(value: Any, encoding: str | None = None) -> Any:
+    """``value`` with every string printable in ``encoding`` (default: stdout's): a file
+    name's bytes that are not UTF-8 (``os.fsdecode`` keeps them as surrogates) become
+    ``\\xNN``, other characters it cannot encode backslash escapes; lists and dicts are
+    walked (for --json, whose strings then stay valid JSON)."""
+    encoding = encoding or getattr(sys.stdout, "encoding", None) or "utf-8"
+    if isinstance(value, dict):
+        return {printable(k, encoding): printable(v, encoding) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [printable(v, encoding) for v in value]
+    if not isinstance(value, str):
+        return value
+    text = _UNDECODED.sub(lambda m: f"\\x{ord(m.group()) - 0xDC00:02x}", value)
+    return text.encode(encoding, "backslashreplace").decode(encoding)
+
+
+#: The surrogates ``os.fsdecode`` (surrogateescape) stands a byte that is not UTF-8 in for.
+_UNDECODED = re.compile("[\udc80-\udcff]")
 
 
 def _refuse_outside_output(name: str) -> None:
@@ -367,7 +487,12 @@ def _locate(
     recorded = [f.with_name(f"{f.name}-ops") for f in folders[:2]]
     for index, folder in enumerate(recorded):
         extra = {WINDOW_VARIABLE: str(step), DIR_VARIABLE: str(folder / OPS_FOLDER)}
-        _timed_start(cmd, folder, index, base, extra, "ops rerun")
+        try:
+            _timed_start(cmd, folder, index, base, extra, "ops rerun")
+        except RunFailed as err:  # the runs' verdict stands; only the op is not named
+            where = "" if err.evidence is not None else f"; see {err.log}"
+            out["ops_error"] = f"op-level diagnosis not made (step {step}): {err}{where}"
+            return out
     ops = [folder / OPS_FOLDER for folder in recorded]
     if not all(p.is_dir() for p in ops):
         out["ops"] = (
@@ -423,6 +548,8 @@ def _text(report: dict[str, Any], verdicts: list[FileVerdict], workdir: Path | N
         lines.append(f"  identical: {', '.join(same)}")
     if "trace" in report:
         lines += [f"  {line}" for line in report["trace"].splitlines()]
+    if "ops_error" in report:
+        lines.append(f"  {report['ops_error']}")
     if "ops" in report:
         lines.append(f"  ops of step {report['ops_step']}:")
         lines += [f"    {line}" for line in report["ops"].splitlines()]

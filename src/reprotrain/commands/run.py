@@ -40,8 +40,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
     parser.add_argument(
         "--threads",
         type=thread_count,
-        default=1,
-        help="threads with --cpu-profile (native: ATen's intra-op; portable: its GEMM's)",
+        help="only with --cpu-profile: its threads (native: ATen's intra-op; portable: its "
+        "GEMM's; default 1)",
     )
 
 
@@ -94,9 +94,21 @@ def command_of(args: argparse.Namespace, verb: str) -> list[str]:
     return cmd
 
 
+def launch_threads(args: argparse.Namespace) -> int:
+    """``--threads``, 1 when not given; refused without ``--cpu-profile``, the only reader."""
+    if args.threads is None:
+        return 1
+    if args.cpu_profile is None:
+        raise DataError(
+            f"--threads {args.threads}: needs --cpu-profile, the only thing that reads it; add "
+            "--cpu-profile portable (or native), or drop --threads"
+        )
+    return args.threads
+
+
 def launch_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` with the launch variables in place; warns about each exported one replaced."""
-    fixed = launch_variables(args.cpu_profile, args.threads)
+    fixed = launch_variables(args.cpu_profile, launch_threads(args))
     for name, value in fixed.items():
         if name in environ and environ[name] != value:
             print(

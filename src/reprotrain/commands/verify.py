@@ -94,7 +94,21 @@ _SCRIPT_ONLY = {
     "--output": lambda args: bool(args.outputs),
     "--ops-step": lambda args: args.ops_step != 0,
     "--cpu-profile": lambda args: args.cpu_profile is not None,
+    "--threads": lambda args: args.threads is not None,
 }
+
+
+def step_number(text: str) -> int:
+    """``--ops-step``: an optimizer step, counted from 0; refused by argparse (exit 2) otherwise."""
+    try:
+        step = int(text)
+    except ValueError:
+        step = -1
+    if step < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a step number >= 0 (steps count from 0), e.g. --ops-step 0"
+        )
+    return step
 
 
 def world_sizes(text: str) -> list[int]:
@@ -157,7 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ops-step",
-        type=int,
+        type=step_number,
         default=0,
         help="with `-- CMD`: the step to record ops of when no trace names one (default 0)",
     )
