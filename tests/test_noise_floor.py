@@ -101,7 +101,7 @@ def test_a_workdir_holding_earlier_runs_is_refused_before_any_run(tmp_path: Path
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr == (
         f"reprotrain: error: --workdir {work}: already holds default-1 from before; "
-        "name an empty or new folder (verify never deletes runs)\n"
+        "name an empty or new folder (noise-floor never deletes runs)\n"
     )
     assert (work / "default-1" / "notes.txt").read_text() == "mine\n"
     assert sorted(p.name for p in work.iterdir()) == ["default-1"]

@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any
 
 from reprotrain.atomic import atomic_write_text
@@ -63,6 +63,16 @@ from reprotrain.commands._exit_codes import (
 )
 from reprotrain.commands._rerun import ready_workdir
 from reprotrain.commands._rundiff import OPS_FOLDER
+from reprotrain.commands._runfolders import (
+    VERIFIED_FILE,
+    RunFailed,
+    discard,
+    missing_folders,
+    printable,
+    refuse_earlier_runs,
+    refuse_links_out,
+    refuse_outside_output,
+)
 from reprotrain.commands.run import (
     command_of,
     launch_environment,
@@ -80,35 +90,6 @@ from reprotrain.pipeline.command import DVC_YAML
 from reprotrain.pipeline.errors import DataError
 from reprotrain.provenance.environment import git_state
 from reprotrain.trace.tracefile import is_trace_file, load_trace
-
-
-class RunFailed(DataError):
-    """A run (or an ops rerun) that could not start or exited non-zero.
-
-    ``evidence`` is what it left to look at: its log if it printed anything, else its
-    folder if it wrote anything there, else None (nothing worth keeping); the message
-    points to it.
-    """
-
-    def __init__(self, reason: str, log: Path, folder: Path, hint: str = "") -> None:
-        self.reason, self.log, self.folder = reason, log, folder
-        if _holds_anything(log):
-            self.evidence: Path | None = log
-            where = f"; see {log}"
-        elif _holds_anything(folder):
-            self.evidence = folder
-            where = f"; what it wrote is in {folder}"
-        else:
-            self.evidence = None
-            where = ""
-        super().__init__(f"{reason}{where}{hint}")
-
-
-def _holds_anything(path: Path) -> bool:
-    """A file that is not empty, or a folder with a file in it (at any depth)."""
-    if path.is_file():
-        return path.stat().st_size > 0
-    return path.is_dir() and any(p.is_file() for p in path.rglob("*"))
 
 
 def _start(
@@ -194,9 +175,6 @@ def _is_trace(path: Path) -> bool:
         return False
 
 
-#: Written into ``--workdir`` when the runs proved identical: the command, where it ran and
-#: at which commit, for ``reprotrain attest --verified``.
-VERIFIED_FILE = "verified.json"
 #: Hydra's last line after any error; the error is the paragraph above it.
 HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
 
@@ -276,14 +254,14 @@ def verify_script(args: argparse.Namespace) -> int:
     if args.runs < 2:
         raise DataError(f"--runs {args.runs}: give 2 or more runs to compare")
     for name in args.outputs:
-        _refuse_outside_output(name)
+        refuse_outside_output(name)
     base = launch_environment(args, os.environ)
     # absolute: {out} and REPROTRAIN_OUT must name the folder wherever the command cd's to
     if args.workdir is not None:
         workdir = args.workdir.absolute()
-        made = _missing_folders(workdir)
+        made = missing_folders(workdir)
         ready_workdir(args.workdir)
-        _refuse_earlier_runs(args.workdir, workdir, args.runs)
+        refuse_earlier_runs(args.workdir, workdir, args.runs)
     else:
         workdir = Path(tempfile.mkdtemp(prefix="reprotrain-verify-")).absolute()
         made = [workdir]
@@ -299,7 +277,7 @@ def verify_script(args: argparse.Namespace) -> int:
             )
     except BaseException as err:  # removed unless it left something to look at; re-raised
         if not (isinstance(err, RunFailed) and err.evidence is not None):
-            _discard(workdir, args.runs, made, temporary=args.workdir is None)
+            discard(workdir, args.runs, made, temporary=args.workdir is None)
         raise
     verdicts = [_worst_verdict(name, folders, bool(args.outputs)) for name in names]
     verdict = overall_verdict(verdicts)
@@ -332,100 +310,10 @@ def verify_script(args: argparse.Namespace) -> int:
     return EXIT_CODES[verdict]
 
 
-def _written_paths(workdir: Path, runs: int) -> list[Path]:
-    """Every path verify writes in ``workdir``: runs, the two ops reruns, their logs."""
-    names = [f"run-{i}" for i in range(runs)] + [f"run-{i}-ops" for i in range(2)]
-    return [workdir / n for name in names for n in (name, f"{name}.log")] + [
-        workdir / VERIFIED_FILE
-    ]
-
-
-def _refuse_earlier_runs(given: Path, workdir: Path, runs: int) -> None:
-    """Nothing of an earlier verify is replaced: refused, naming exactly what to delete."""
-    if taken := [p for p in _written_paths(workdir, runs) if p.exists() or p.is_symlink()]:
-        more = f" (and {', '.join(p.name for p in taken[1:])})" if taken[1:] else ""
-        rm = shlex.join(["rm", "-r", *map(str, taken)])
-        raise DataError(
-            f"--workdir {given}: {taken[0].name} is already there from an earlier verify{more}; "
-            f"verify never deletes earlier runs: delete them (`{rm}`) or name an empty or new "
-            "folder"
-        )
-
-
-def _missing_folders(folder: Path) -> list[Path]:
-    """``folder`` and those of its parents not there yet, deepest first: what mkdir makes."""
-    missing = []
-    for path in (folder, *folder.parents):
-        if path.exists() or path.is_symlink():
-            break
-        missing.append(path)
-    return missing
-
-
-def _discard(workdir: Path, runs: int, made: list[Path], temporary: bool) -> None:
-    """Remove what this verify made (it refused to start where any of it was there):
-    a temporary folder whole; in ``--workdir`` the runs' paths, then the folders it made."""
-    if temporary:
-        shutil.rmtree(workdir, ignore_errors=True)
-        return
-    for path in _written_paths(workdir, runs):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-    for folder in made:  # deepest first; one the command wrote into stays
-        if folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
-
-
-def printable(value: Any, encoding: str | None = None) -> Any:
-    """``value`` with every string printable in ``encoding`` (default: stdout's): a file
-    name's bytes that are not UTF-8 (``os.fsdecode`` keeps them as surrogates) become
-    ``\\xNN``, other characters it cannot encode backslash escapes; lists and dicts are
-    walked (for --json, whose strings then stay valid JSON)."""
-    encoding = encoding or getattr(sys.stdout, "encoding", None) or "utf-8"
-    if isinstance(value, dict):
-        return {printable(k, encoding): printable(v, encoding) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [printable(v, encoding) for v in value]
-    if not isinstance(value, str):
-        return value
-    text = _UNDECODED.sub(lambda m: f"\\x{ord(m.group()) - 0xDC00:02x}", value)
-    return text.encode(encoding, "backslashreplace").decode(encoding)
-
-
-#: The surrogates ``os.fsdecode`` (surrogateescape) stands a byte that is not UTF-8 in for.
-_UNDECODED = re.compile("[\udc80-\udcff]")
-
-
-def _refuse_outside_output(name: str) -> None:
-    """An ``--output`` names a file under ``{out}``: relative, and never above it."""
-    path = PurePath(name)
-    if not path.parts or path.is_absolute() or ".." in path.parts:
-        raise DataError(
-            f"--output {name!r}: name a file the command writes under {{out}}, relative to "
-            "that folder and inside it (no leading /, no ..), e.g. --output model.safetensors"
-        )
-
-
-def _refuse_links_out(name: str, paths: list[Path], folders: list[Path]) -> None:
-    """A link out of its run's folder is not that run's output: comparing what it points at
-    could call runs identical that wrote different bytes."""
-    for index, (path, folder) in enumerate(zip(paths, folders, strict=True)):
-        # realpath, not Path.resolve: it returns a link loop as is instead of raising
-        target = Path(os.path.realpath(path))
-        if not target.is_relative_to(os.path.realpath(folder)):
-            raise DataError(
-                f"{path}: a link to {target}, outside run {index}'s folder, so not that run's "
-                f"output; have the command write {name} itself under {{out}}, or name only "
-                "the files it writes with --output"
-            )
-
-
 def _worst_verdict(name: str, folders: list[Path], named: bool) -> FileVerdict:
     """``name`` in every run against run 0; the worst verdict of those comparisons."""
     paths = [f / name for f in folders]
-    _refuse_links_out(name, paths, folders)
+    refuse_links_out(name, paths, folders)
     if missing := [i for i, p in enumerate(paths) if not p.is_file()]:
         if named:
             raise DataError(f"{paths[missing[0]]}: the command did not write {name}; fix --output")

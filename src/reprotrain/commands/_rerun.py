@@ -67,7 +67,7 @@ def rerun_workspace(dvc_yaml: Path, folder: Path | None, command: str) -> Iterat
         raise
 
 
-def ready_workdir(folder: Path, fresh: bool = False) -> Path:
+def ready_workdir(folder: Path, fresh: bool = False, command: str = "verify") -> Path:
     """``--workdir``: made (with its parents) if missing; a file there is refused, one line.
 
     ``fresh``: a folder that already holds anything is refused too, before any run
@@ -79,7 +79,7 @@ def ready_workdir(folder: Path, fresh: bool = False) -> Path:
         more = f" and {len(held) - 1} more" if len(held) > 1 else ""
         raise DataError(
             f"--workdir {folder}: already holds {held[0]}{more} from before; name an empty or "
-            "new folder (verify never deletes runs)"
+            f"new folder ({command} never deletes runs)"
         )
     try:
         folder.mkdir(parents=True, exist_ok=True)

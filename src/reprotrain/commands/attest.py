@@ -215,7 +215,7 @@ def _pipeline_run(dvc_yaml: Path) -> tuple[Path, list[dict], str, Any]:
 
 def _verified_command(workdir: Path) -> tuple[Path, list[dict], str, Any]:
     """The subjects and provenance of a ``verify -- CMD --workdir`` that proved identical."""
-    from reprotrain.commands._anyscript import VERIFIED_FILE
+    from reprotrain.commands._runfolders import VERIFIED_FILE
     from reprotrain.provenance.attestation import (
         COMMAND_BUILD,
         Provenance,

@@ -75,7 +75,7 @@ def run(_: object, args: argparse.Namespace) -> int:
             "drop that override"
         )
     if args.workdir is not None:  # before any run: train_fresh replaces a run folder it finds
-        ready_workdir(args.workdir, fresh=True)
+        ready_workdir(args.workdir, fresh=True, command="noise-floor")
     with rerun_workspace(args.dvc_yaml, args.workdir, "noise-floor") as workspace:
         return _noise_floor(args, workspace)
 
