@@ -369,7 +369,9 @@ def check_reference(rev: str, workdir: Path | None) -> int:
     else:
         if result.identical:
             same = ", ".join(f"{name} {a[:12]}" for name, (a, _) in result.hashes.items())
-            print(f"model and trace: the same bits ({same}); the outputs above differ")
+            what = " and ".join(result.hashes)  # only what was compared: a trace alone is not
+            unseen = "".join(f"; {note}" for note in result.not_compared)  # the model's bits
+            print(f"{what}: the same bits ({same}){unseen}; the outputs above differ")
         else:
             print(result.to_text())
     print(f"reprotrain verify: NOT REPRODUCED: {rev}'s outputs differ here (clone kept: {clone})")
