@@ -372,11 +372,12 @@ def test_a_link_out_of_the_run_folder_is_not_that_runs_output(tmp_path: Path) ->
     # each run writes its pid outside its folder and links to it: the same file, last pid
     outside = f"echo $$ > {tmp_path}/s.txt; ln -s {tmp_path}/s.txt {{out}}/result.txt"
     for index, named in enumerate(((), ("--output", "result.txt"))):
-        work = tmp_path / f"runs-{index}"  # kept after the refusal, as after any failed run
+        work = tmp_path / f"runs-{index}"
         done = run_cli("verify", "--workdir", work, *named, "--", "sh", "-c", outside, cwd=tmp_path)
         assert done.returncode == 2 and "IDENTICAL" not in done.stdout, done.stdout
         (error,) = _error_lines(done)
         assert f"run-0/result.txt: a link to {tmp_path.resolve()}/s.txt, outside run 0's" in error
+        assert not work.exists()  # no verdict: what this verify made is gone, a retry can run
     inside = "echo 1 > {out}/a.txt; ln -s a.txt {out}/result.txt"  # control: a link inside
     done = run_cli("verify", "--", "sh", "-c", inside, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -360,6 +360,10 @@ def _bad_file(tmp_path: Path, case: str) -> Path:
         _write_header(path, {"__metadata__": "x"})
     elif case == "trace without tensors":
         _write_trace(path, drop=("initial_params",))
+    elif case == "trace of rank 4 of 1":
+        _write_trace(path, rank=torch.tensor([0, 0, 4]))
+    elif case == "trace with flat final state":
+        _write_trace(path, final_state=torch.zeros(3, dtype=torch.int64))
     else:
         _write_trace(path, batch=torch.zeros(3, dtype=torch.bfloat16))
     return path
@@ -373,6 +377,8 @@ def _bad_file(tmp_path: Path, case: str) -> Path:
         ("metadata a string", "not a readable weights/trace file (its __metadata__ is not"),
         ("trace without tensors", "a damaged reprotrain trace (no 'initial_params' tensor)"),
         ("trace in bf16", "a damaged reprotrain trace ('batch' is bfloat16, not int64)"),
+        ("trace of rank 4 of 1", "a damaged reprotrain trace (a 'rank' with no 'initial_params"),
+        ("trace with flat final state", "a damaged reprotrain trace ('final_state' is not one"),
     ],
 )
 def test_compare_refuses_an_unreadable_file_in_one_line(
@@ -417,6 +423,9 @@ def test_compare_refuses_a_model_path_that_leaves_the_folders(tmp_path: Path) ->
         assert done.returncode == 2 and done.stdout == "", done.stdout
         assert done.stderr.startswith(f"reprotrain: error: --model {rel}: "), done.stderr
         assert says in done.stderr and done.stderr.count("\n") == 1
+    (fa / "loop").symlink_to("loop")  # a link to itself: one line, not Path.resolve's error
+    looped = run_in_process("compare", fa, fb, "--model", "loop")
+    assert looped.returncode == 2 and looped.stderr.count("\n") == 1, looped.stderr
     # negative control: the file named inside each folder finds the difference
     inside = run_in_process("compare", fa, fb, "--model", "model.safetensors")
     assert inside.returncode == 1 and "w       different" in inside.stdout, inside.stderr

@@ -79,7 +79,7 @@ def test_a_forward_keeps_its_columns_until_its_backward(routed: None) -> None:
         torch.nn.functional.conv2d(x, weight.requires_grad_())
     assert _kept() == []  # no gradient will be taken
     y = torch.nn.functional.conv2d(x, weight)
-    assert len(_kept()) == 1 and _kept()[0].x.data_ptr() == x.data_ptr()
+    assert len(_kept()) == 1 and _kept()[0].memory.data_ptr() == x.untyped_storage().data_ptr()
     y.sum().backward()
     assert _kept() == []
 

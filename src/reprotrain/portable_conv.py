@@ -11,8 +11,9 @@ Two things keep the copies cheap, neither changing a bit. Each thread reuses its
 buffers from call to call (:func:`_workspace`). And a forward that autograd will
 differentiate keeps its column matrix (:func:`_forward_columns`) for the weight
 gradient of its backward (:func:`_backward_columns`), which would otherwise
-copy the same columns again: the input is held while kept, so its memory cannot
-be handed to another tensor, and a kept matrix is used only for the same input
+copy the same columns again: the input's memory is held while kept (not the
+tensor, whose autograd graph would be held with it), so it cannot be handed to
+another tensor, and a kept matrix is used only for the same input
 at the same version (an in-place change since the forward bumps the version, as
 autograd's own check of saved tensors does). At most :data:`KEEP_BYTES` are
 kept per thread, the oldest dropped first; a forward whose backward never comes
@@ -115,14 +116,16 @@ class _Kept:
     """A forward's column matrix, kept for its backward's weight gradient."""
 
     key: tuple[Any, ...]
-    x: torch.Tensor  # held: while kept, its memory cannot become another tensor's
+    #: The input's memory, held (not the tensor: that would hold its autograd graph too):
+    #: while kept, no other tensor can be given its address.
+    memory: torch.UntypedStorage
     version: int
     columns: torch.Tensor
     buffer: torch.Tensor
 
     @property
     def nbytes(self) -> int:
-        return (self.buffer.numel() + self.x.numel()) * self.x.element_size()
+        return self.buffer.numel() * self.buffer.element_size() + self.memory.nbytes()
 
 
 def _thread_list(name: str) -> list[Any]:
@@ -142,8 +145,11 @@ def _room_for(size: int) -> None:
     kept, spare = _thread_list("kept"), _thread_list("spare")
     used = sum(k.nbytes for k in kept) + sum(b.numel() * b.element_size() for b in spare)
     while used + size > KEEP_BYTES and (spare or kept):
-        dropped = spare.pop() if spare else kept.pop(0).buffer
-        used -= dropped.numel() * dropped.element_size()
+        if spare:
+            dropped = spare.pop()
+            used -= dropped.numel() * dropped.element_size()
+        else:
+            used -= kept.pop(0).nbytes
 
 
 def _spare_buffer(count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -162,11 +168,12 @@ def _forward_columns(x: torch.Tensor, weight: torch.Tensor, conv: Sequence[Any])
         return _columns(x, weight, conv)
     (kh, *_, ho), (kw, *_, wo) = _geometry(x, weight, conv)
     count = x.shape[1] * kh * kw * x.shape[0] * ho * wo
-    if (count + x.numel()) * x.element_size() > KEEP_BYTES:
+    memory = x.untyped_storage()
+    if count * x.element_size() + memory.nbytes() > KEEP_BYTES:
         return _columns(x, weight, conv)
     buffer = _spare_buffer(count, x.dtype)
     columns = _columns(x, weight, conv, buffer[:count])
-    kept = _Kept(_key(x, weight, conv), x, x._version, columns, buffer)
+    kept = _Kept(_key(x, weight, conv), memory, x._version, columns, buffer)
     _room_for(kept.nbytes)
     _thread_list("kept").append(kept)
     return columns

@@ -275,11 +275,11 @@ def verify_script(args: argparse.Namespace) -> int:
                 f"`{shlex.join(cmd)}` wrote nothing under {{out}} ({folders[0]}), so nothing was "
                 "compared: pass {out} to it as its output folder (Hydra: hydra.run.dir={out})"
             )
+        verdicts = [_worst_verdict(name, folders, bool(args.outputs)) for name in names]
     except BaseException as err:  # removed unless it left something to look at; re-raised
         if not (isinstance(err, RunFailed) and err.evidence is not None):
             discard(workdir, args.runs, made, temporary=args.workdir is None)
         raise
-    verdicts = [_worst_verdict(name, folders, bool(args.outputs)) for name in names]
     verdict = overall_verdict(verdicts)
     differing = [v for v in verdicts if not v.identical]
     kept = verdict != "IDENTICAL" or args.workdir is not None

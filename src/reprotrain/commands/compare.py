@@ -25,6 +25,7 @@ same trace is not the same model.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 
@@ -114,8 +115,9 @@ def _refuse_outside(option: str, rel: str, folder: Path) -> None:
             f"{option} {rel}: an absolute path names one file for both runs; pass the path "
             f"relative to each compared folder, e.g. {option} {Path(rel).name}"
         )
-    resolved = (folder / rel).resolve()
-    if not resolved.is_relative_to(folder.resolve()):
+    # realpath, not Path.resolve: a link loop is returned as it is, not raised (Python 3.11)
+    resolved = Path(os.path.realpath(folder / rel))
+    if not resolved.is_relative_to(os.path.realpath(folder)):
         raise DataError(
             f"{option} {rel}: {folder / rel} leads outside {folder} (to {resolved}); pass "
             f"a path that stays inside each compared folder, e.g. {option} {Path(rel).name}"

@@ -155,6 +155,18 @@ def _damage(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str | Non
     columns = [tensors[name] for name in (*_ROWS, *_OPTIONAL_ROWS) if name in tensors]
     if len({tuple(column.shape[:1]) for column in columns}) > 1 or columns[0].ndim == 0:
         return "per-step columns of different lengths"
-    if tensors["initial_params"].ndim != 1 or tensors["initial_params"].numel() == 0:
+    ranks = tensors["initial_params"]
+    if ranks.ndim != 1 or ranks.numel() == 0:
         return "'initial_params' is not one value per rank"
+    if not isinstance(meta.get("world_size", 1), int):
+        return "metadata 'world_size' is not an int"
+    if "final_state" in tensors and tensors["final_state"].ndim != 2:
+        return "'final_state' is not one row per rank"
+    rank = tensors.get("rank")
+    if (
+        rank is not None
+        and rank.numel()
+        and not 0 <= int(rank.min()) <= int(rank.max()) < len(ranks)
+    ):
+        return "a 'rank' with no 'initial_params' value"
     return None
