@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from reprotrain.cpuprofile import CpuProfile
 from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS, FIXED_HASH_SEED
@@ -39,21 +39,26 @@ def add_launch_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=thread_count,
+        type=at_least(1, "--threads 1"),
         help="only with --cpu-profile: its threads (native: ATen's intra-op; portable: its "
         "GEMM's; default 1)",
     )
 
 
-def thread_count(text: str) -> int:
-    """``--threads``: a whole number >= 1, refused by argparse (exit 2) otherwise."""
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1, e.g. --threads 1")
-    return count
+def at_least(minimum: int, example: str, noun: str = "a whole number") -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``; anything else refused by argparse (exit 2),
+    in one line that ends with ``example``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {noun} >= {minimum}, e.g. {example}")
+        return value
+
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -79,7 +79,7 @@ from reprotrain.commands._rundiff import (
     run_in_folder,
     with_op_diff,
 )
-from reprotrain.commands.run import add_launch_arguments
+from reprotrain.commands.run import add_launch_arguments, at_least
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.command import Command, add_dvc_yaml, add_override_option
 from reprotrain.pipeline.errors import DataError
@@ -96,19 +96,6 @@ _SCRIPT_ONLY = {
     "--cpu-profile": lambda args: args.cpu_profile is not None,
     "--threads": lambda args: args.threads is not None,
 }
-
-
-def step_number(text: str) -> int:
-    """``--ops-step``: an optimizer step, counted from 0; refused by argparse (exit 2) otherwise."""
-    try:
-        step = int(text)
-    except ValueError:
-        step = -1
-    if step < 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give a step number >= 0 (steps count from 0), e.g. --ops-step 0"
-        )
-    return step
 
 
 def world_sizes(text: str) -> list[int]:
@@ -171,7 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ops-step",
-        type=step_number,
+        type=at_least(0, "--ops-step 0 (steps count from 0)", "a step number"),
         default=0,
         help="with `-- CMD`: the step to record ops of when no trace names one (default 0)",
     )
