@@ -29,7 +29,7 @@ from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.commands._git import git_show, tracked_dvc_files
 from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.errors import DataError, yaml_line
 from reprotrain.pipeline.stages.env import whole_environment
 from reprotrain.provenance.dvcchecksum import md5_dir, md5_file
 from reprotrain.provenance.envdiff import compare_environments
@@ -171,9 +171,7 @@ def _recorded_outs(file: Path, fix: str, *, lock: bool) -> list[dict[str, Any]]:
     try:
         spec = yaml.safe_load(file.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        mark = getattr(err, "problem_mark", None)
-        line = f" (line {mark.line + 1})" if mark else ""
-        raise DataError(f"{file}: not valid YAML{line}; {fix}") from None
+        raise DataError(f"{file}: not valid YAML{yaml_line(err)}; {fix}") from None
     if spec is None:
         return []
     if not isinstance(spec, dict):

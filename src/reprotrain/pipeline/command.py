@@ -23,7 +23,7 @@ from typing import NoReturn
 
 import yaml
 
-from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.errors import DataError, yaml_line
 
 #: Names the lock the env stage checks when ``--lock`` is not given; the Dockerfile sets it.
 LOCK_VARIABLE = "REPROTRAIN_LOCK"
@@ -139,10 +139,8 @@ def _read_pipeline(dvc_yaml: Path) -> object:
     except UnicodeDecodeError:
         raise DataError(f"{dvc_yaml}: not UTF-8 text; restore it from git") from None
     except yaml.YAMLError as err:
-        where = getattr(err, "problem_mark", None)
-        line = f" (line {where.line + 1})" if where else ""
         raise DataError(
-            f"{dvc_yaml}: not valid YAML{line}: fix the syntax or restore it from git"
+            f"{dvc_yaml}: not valid YAML{yaml_line(err)}: fix the syntax or restore it from git"
         ) from None
 
 

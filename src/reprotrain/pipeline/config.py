@@ -22,6 +22,7 @@ import yaml
 
 from reprotrain.cpuprofile import PROFILES, CpuProfile
 from reprotrain.determinism import Mode
+from reprotrain.pipeline.errors import yaml_line
 
 
 class ConfigError(ValueError):
@@ -218,9 +219,7 @@ def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found; run from the repository root") from None
     except yaml.YAMLError as err:
-        where = getattr(err, "problem_mark", None)
-        line = f" (line {where.line + 1})" if where else ""
-        raise ConfigError(f"{path}: not valid YAML{line}: fix the syntax") from None
+        raise ConfigError(f"{path}: not valid YAML{yaml_line(err)}: fix the syntax") from None
     if not isinstance(raw, dict):
         raise ConfigError(
             f"{path}: expected a mapping of keys at the top level; {DEFAULTS_HINT} prints a "

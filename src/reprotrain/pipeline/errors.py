@@ -9,3 +9,9 @@ class DataError(ValueError):
 
 class Interrupted(Exception):
     """Training stopped by SIGINT or SIGTERM; the message says which checkpoint resumes it."""
+
+
+def yaml_line(err: Exception) -> str:
+    """`` (line N)`` where a YAML parser error points, for a one-line message; else ``""``."""
+    where = getattr(err, "problem_mark", None)
+    return f" (line {where.line + 1})" if where else ""
