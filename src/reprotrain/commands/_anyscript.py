@@ -61,8 +61,8 @@ from reprotrain.commands._exit_codes import (
     EXIT_DIFFERS_OUTSIDE_TENSORS,
     EXIT_UNREADABLE,
 )
+from reprotrain.commands._findrun import OPS_FOLDER
 from reprotrain.commands._rerun import ready_workdir
-from reprotrain.commands._rundiff import OPS_FOLDER
 from reprotrain.commands._runfolders import (
     VERIFIED_FILE,
     RunFailed,

@@ -2,7 +2,7 @@
 
 Each run is the train stage's own command (as ``dvc.yaml`` writes it) in a
 new interpreter writing a flat run folder (see
-:mod:`reprotrain.commands._rundiff`), so the determinism flags and
+:mod:`reprotrain.commands._findrun`), so the determinism flags and
 ``CUBLAS_WORKSPACE_CONFIG`` apply before CUDA starts, exactly as under
 ``dvc repro``. Runs go ``jobs`` at a time (default 1): side by side they
 overlap start-up, but on the 2-core build machine two trainings that each
@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from reprotrain.atomic import atomic_write_text
 from reprotrain.commands._exit_codes import ERROR_PREFIX
-from reprotrain.commands._rundiff import FLAT, METRICS
+from reprotrain.commands._findrun import FLAT, METRICS
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.command import stage_arguments
 from reprotrain.pipeline.errors import DataError

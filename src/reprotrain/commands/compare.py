@@ -30,12 +30,8 @@ import tempfile
 from pathlib import Path
 
 from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
-from reprotrain.commands._rundiff import (
-    OPS_FOLDER,
-    compare_runs,
-    find_run,
-    with_op_diff,
-)
+from reprotrain.commands._findrun import OPS_FOLDER, find_run
+from reprotrain.commands._rundiff import compare_runs, with_op_diff
 from reprotrain.hashing import UnreadableSafetensors, canonical_json, read_safetensors_metadata
 from reprotrain.pipeline.command import Command
 from reprotrain.pipeline.errors import DataError

@@ -31,13 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from reprotrain.atomic import atomic_write_text
+from reprotrain.commands._findrun import FLAT, METRICS, run_in_folder
 from reprotrain.commands._rerun import Workspace, ready_workdir, rerun_workspace, train_fresh
-from reprotrain.commands._rundiff import (
-    FLAT,
-    METRICS,
-    compare_runs,
-    run_in_folder,
-)
+from reprotrain.commands._rundiff import compare_runs
 from reprotrain.hashing import canonical_json, load_safetensors
 from reprotrain.pipeline.command import Command, add_dvc_yaml, add_override_option
 from reprotrain.pipeline.errors import DataError

@@ -66,19 +66,12 @@ from reprotrain.commands._exit_codes import (
     EXIT_CHECK_FAILED,
     EXIT_RECORD_DIFFERS,
 )
+from reprotrain.commands._findrun import OPS_FOLDER, RunFiles, find_run, run_in_folder
 from reprotrain.commands._git import changed_paths, git, share_dvc_cache
 from reprotrain.commands._rebuild import clone_environment, python_of
 from reprotrain.commands._reference import classify_changes
 from reprotrain.commands._rerun import Workspace, ready_workdir, rerun_workspace, train_fresh
-from reprotrain.commands._rundiff import (
-    OPS_FOLDER,
-    RunComparison,
-    RunFiles,
-    compare_runs,
-    find_run,
-    run_in_folder,
-    with_op_diff,
-)
+from reprotrain.commands._rundiff import RunComparison, compare_runs, with_op_diff
 from reprotrain.commands.run import add_launch_arguments, at_least
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.command import Command, add_dvc_yaml, add_override_option

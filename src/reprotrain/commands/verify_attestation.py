@@ -265,7 +265,8 @@ def _compare_rebuilt(
 def _first_diverging_step(statement: dict[str, Any], clone: Path, root: Path) -> str | None:
     """The comparison of the attested run (its files under ``root``, where they are the
     attested bytes) with the rebuilt one: first diverging step and record."""
-    from reprotrain.commands._rundiff import RunFiles, compare_runs, train_outputs
+    from reprotrain.commands._findrun import RunFiles, train_outputs
+    from reprotrain.commands._rundiff import compare_runs
     from reprotrain.provenance.attestation import external, subject_mismatches
 
     pipeline = Path(external(statement)["pipeline"])
