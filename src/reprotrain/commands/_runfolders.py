@@ -131,13 +131,18 @@ def refuse_outside_output(name: str) -> None:
         )
 
 
+def leads_outside(path: Path, folder: Path) -> Path | None:
+    """Where ``path`` really is (links and ``..`` followed) when that is outside ``folder``."""
+    # realpath, not Path.resolve: it returns a link loop as is instead of raising (Python 3.11)
+    target = Path(os.path.realpath(path))
+    return None if target.is_relative_to(os.path.realpath(folder)) else target
+
+
 def refuse_links_out(name: str, paths: list[Path], folders: list[Path]) -> None:
     """A link out of its run's folder is not that run's output: comparing what it points at
     could call runs identical that wrote different bytes."""
     for index, (path, folder) in enumerate(zip(paths, folders, strict=True)):
-        # realpath, not Path.resolve: it returns a link loop as is instead of raising
-        target = Path(os.path.realpath(path))
-        if not target.is_relative_to(os.path.realpath(folder)):
+        if (target := leads_outside(path, folder)) is not None:
             raise DataError(
                 f"{path}: a link to {target}, outside run {index}'s folder, so not that run's "
                 f"output; have the command write {name} itself under {{out}}, or name only "

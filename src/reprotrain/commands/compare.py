@@ -25,13 +25,13 @@ same trace is not the same model.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from pathlib import Path
 
 from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.commands._findrun import OPS_FOLDER, find_run
 from reprotrain.commands._rundiff import compare_runs, with_op_diff
+from reprotrain.commands._runfolders import leads_outside
 from reprotrain.hashing import UnreadableSafetensors, canonical_json, read_safetensors_metadata
 from reprotrain.pipeline.command import Command
 from reprotrain.pipeline.errors import DataError
@@ -111,9 +111,7 @@ def _refuse_outside(option: str, rel: str, folder: Path) -> None:
             f"{option} {rel}: an absolute path names one file for both runs; pass the path "
             f"relative to each compared folder, e.g. {option} {Path(rel).name}"
         )
-    # realpath, not Path.resolve: a link loop is returned as it is, not raised (Python 3.11)
-    resolved = Path(os.path.realpath(folder / rel))
-    if not resolved.is_relative_to(os.path.realpath(folder)):
+    if (resolved := leads_outside(folder / rel, folder)) is not None:
         raise DataError(
             f"{option} {rel}: {folder / rel} leads outside {folder} (to {resolved}); pass "
             f"a path that stays inside each compared folder, e.g. {option} {Path(rel).name}"
