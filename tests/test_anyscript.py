@@ -14,7 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from reprotrain.commands._anyscript import failure_line
+from reprotrain.commands._anyscript import _when_ops_match, failure_line
+from reprotrain.ops.opfile import load_recordings
 from tests.helpers import run_cli
 
 #: Writes weights (10 tensors, the last ``DIFFER`` of them shifted by the run's number),
@@ -568,3 +569,145 @@ def test_an_ops_rerun_that_fails_leaves_the_verdict_and_says_why_the_op_is_not_n
     control = _verify(tmp_path / "control", script=RECORD_FAILS)  # the reruns run
     assert control.returncode == 1, control.stdout + control.stderr
     assert "op-level" not in control.stdout and "  ops of step 0:" in control.stdout
+
+
+#: Weights that differ in every run (the pid); a five-step trace whose loss differs from
+#: step ``DIVERGE`` on in run 1; an ops rerun records the same ops in every process.
+TRACED = """
+import os, sys
+import numpy as np
+from safetensors.numpy import save_file
+from reprotrain.hashing import safetensors_metadata
+out, run = sys.argv[1], int(os.environ["REPROTRAIN_RUN_INDEX"])
+save_file({"w": np.full(2, float(os.getpid()))}, f"{out}/model.safetensors")
+steps = np.arange(5, dtype=np.int64)
+loss = steps + run * (steps >= int(os.environ["DIVERGE"]))
+columns = {name: steps.copy() for name in ("step", "batch_idx", "batch", "rng", "grads", "params")}
+columns |= {"loss": loss, "loss_value": loss.astype(np.float64), "epoch": 0 * steps}
+columns |= {"weights_traced": np.ones(5, bool), "initial_params": np.array([7])}
+meta = {"format": "reprotrain.trace", "version": 2, "detail": "default", "weights_every": 1,
+        "param_names": ["w"], "rng_sources": ["torch"]}
+save_file(columns, f"{out}/trace.safetensors", safetensors_metadata(meta))
+if "REPROTRAIN_RECORD_OPS" in os.environ:
+    import torch
+    from reprotrain.ops.recorder import record_step
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    for step in range(5):
+        with record_step(model, step):
+            model(torch.ones(1, 2)).sum().backward()
+"""
+
+
+def test_the_advice_when_the_recorded_ops_match_offers_only_what_was_not_done() -> None:
+    tail = "; a race or unwritten memory may have agreed this time: "
+    assert _when_ops_match(0, "default", None, None).endswith(
+        f"{tail}run verify again, record another step (--ops-step N), or add TraceCallback so "
+        "verify finds the step"
+    )
+    given = _when_ops_match(4, "--ops-step", None, None)
+    assert given.endswith(f"{tail}run verify again, record another step than 4 (another "
+                          "--ops-step), or add TraceCallback so verify finds the step")  # fmt: skip
+    traced = _when_ops_match(4, "--ops-step", "read", None)
+    assert traced == (
+        "; the reruns matched at step 4 although the runs differed (the traces match, so they "
+        f"name no step){tail}run verify again or record another step than 4 (another --ops-step)"
+    )
+    unreadable = _when_ops_match(0, "default", "unreadable", None)
+    assert "(the trace could not be read, so it names no step)" in unreadable
+    assert "TraceCallback" not in unreadable and "--ops-step N" in unreadable
+
+
+def _ops_lines(done) -> list[str]:
+    lines = done.stdout.splitlines()
+    return lines[next(i for i, line in enumerate(lines) if line.startswith("  ops of step")) :]
+
+
+def test_an_ops_step_given_wins_over_the_traces_step_and_the_advice_names_what_is_left(
+    tmp_path: Path,
+) -> None:
+    given = _verify(tmp_path / "given", "--ops-step", "1", script=TRACED, DIVERGE="3")
+    assert given.returncode == 1, given.stdout + given.stderr
+    assert "traces diverge at step 3" in given.stdout
+    head, ops = _ops_lines(given)[:2]
+    assert head == "  ops of step 1 (--ops-step 1; the traces first differ at step 3):"
+    (recorded,) = load_recordings(tmp_path / "given" / "runs" / "run-0-ops" / "ops").values()
+    assert set(recorded.ops[:, 0].tolist()) == {1}  # the step given, not the trace's
+    assert ops.endswith(
+        "; the reruns matched at step 1 although the runs differed; a race or unwritten memory "
+        "may have agreed this time: run verify again or record step 3, where the traces first "
+        "differ (drop --ops-step)"
+    )
+    control = _verify(tmp_path / "control", script=TRACED, DIVERGE="3")  # the trace's step
+    assert control.returncode == 1, control.stdout + control.stderr
+    head, ops = _ops_lines(control)[:2]
+    assert head == "  ops of step 3 (where the traces first differ):"
+    assert ops.endswith("may have agreed this time: run verify again"), ops
+    assert "TraceCallback" not in control.stdout and "--ops-step" not in control.stdout
+
+
+def test_the_rm_it_suggests_clears_what_a_verify_with_more_runs_left(tmp_path: Path) -> None:
+    work = tmp_path / "runs"
+    write = ("--", "sh", "-c", "echo 1 > {out}/a.txt")
+    first = run_cli("verify", "--runs", "3", "--workdir", work, *write, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    others = ("notes.txt", "run-x", "run-02", "run-2-ops")  # not verify's: never named
+    for mine in others:
+        (work / mine).write_text("mine\n")
+    again = run_cli("verify", "--workdir", work, *write, cwd=tmp_path)  # 2 runs, the default
+    assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
+    rm = again.stderr.split("delete them (`")[1].split("`)")[0]
+    named = ("run-0", "run-0.log", "run-1", "run-1.log", "run-2", "run-2.log", "verified.json")
+    assert rm == shlex.join(["rm", "-r", *(str(work / name) for name in named)])
+    subprocess.run(shlex.split(rm), check=True)  # as told
+    retry = run_cli("verify", "--workdir", work, *write, cwd=tmp_path)
+    assert retry.returncode == 0, retry.stdout + retry.stderr
+    assert not (work / "run-2").exists()  # no run of the earlier verify left beside these
+    assert all((work / mine).read_text() == "mine\n" for mine in others)
+
+
+def test_an_output_named_twice_is_compared_and_printed_once(tmp_path: Path) -> None:
+    write = ("--", "sh", "-c", "echo 1 > {out}/a.txt; echo 2 > {out}/b.txt")
+    named = ("--output", "b.txt", "--output", "a.txt", "--output", "b.txt", "--output", "./b.txt")
+    done = run_cli("verify", *named, *write, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == "reprotrain verify: IDENTICAL: 2 runs, b.txt, a.txt\n"
+    json_ = run_cli("verify", "--json", *named, *write, cwd=tmp_path)
+    assert [f["name"] for f in json.loads(json_.stdout)["files"]] == ["b.txt", "a.txt"]
+    other = run_cli("verify", "--output", "c.txt", "--output", "c.txt", *write, cwd=tmp_path)
+    assert other.returncode == 2, other.stderr  # control: a file no run wrote is still refused
+    assert _error_lines(other)[0].endswith(
+        "run-0/c.txt: the command did not write c.txt; fix --output"
+    )
+
+
+#: Writes ``ckpts/a.txt`` and ``ckpts/deeper/b.txt`` (with ``PID`` set, the pid in b), a file
+#: beside the folder, and with ``ONE_SIDED`` a file in the folder only run 1 writes.
+FOLDER = """
+mkdir -p {out}/ckpts/deeper {out}/empty
+echo 1 > {out}/ckpts/a.txt
+echo ${PID:+$$} > {out}/ckpts/deeper/b.txt
+echo $$ > {out}/beside.txt
+if [ -n "$ONE_SIDED" ] && [ "$REPROTRAIN_RUN_INDEX" = 1 ]; then echo 1 > {out}/ckpts/c.txt; fi
+"""
+
+
+def test_an_output_that_names_a_folder_compares_every_file_under_it(tmp_path: Path) -> None:
+    cmd = ("--", "sh", "-c", FOLDER)
+    tmp = {"TMPDIR": str(tmp_path)}  # runs that differ are kept
+    done = run_cli("verify", "--output", "ckpts", *cmd, cwd=tmp_path, **tmp)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == "reprotrain verify: IDENTICAL: 2 runs, ckpts/a.txt, ckpts/deeper/b.txt\n"
+    differs = run_cli("verify", "--output", "ckpts/", *cmd, cwd=tmp_path, PID="1", **tmp)
+    assert differs.returncode == 4, differs.stdout + differs.stderr
+    assert "\n  ckpts/deeper/b.txt (file): differs (text, line 1: " in differs.stdout
+    assert "beside.txt (file)" not in differs.stdout  # beside the folder: not named
+    one = run_cli("verify", "--output", "ckpts", *cmd, cwd=tmp_path, ONE_SIDED="1", **tmp)
+    assert one.returncode == 4, one.stdout + one.stderr  # a verdict, as without --output
+    assert "  ckpts/c.txt (file): differs (not written by run 0)" in one.stdout.splitlines()
+    empty = run_cli("verify", "--output", "empty", *cmd, cwd=tmp_path, **tmp)
+    assert empty.returncode == 2 and len(_error_lines(empty)) == 1, empty.stderr
+    assert _error_lines(empty)[0] == (
+        "reprotrain: error: --output empty: a folder with no file in it in any run, so nothing "
+        "was compared; name a folder the command writes files in, or the files themselves"
+    )

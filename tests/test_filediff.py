@@ -48,6 +48,49 @@ def test_checkpoints_with_equal_tensors_and_their_own_run_paths_are_identical(
     )
 
 
+def _model_checkpoint(folder: Path, best: str = "epoch=1-step=12.ckpt", kept: int = 20) -> Path:
+    """Lightning's ModelCheckpoint state, whose ``best_k_models`` is keyed by each checkpoint's
+    absolute path, and the same paths as ``Path`` objects, keys and lists."""
+    ckpts = folder / "ckpts"
+    state = {
+        "dirpath": str(ckpts),
+        "best_model_path": str(ckpts / best),
+        "kth_best_model_path": str(ckpts / best),
+        "last_model_path": "",
+        "best_k_models": {str(ckpts / best): torch.tensor(0.25)},
+        "as_paths": {ckpts / best: [ckpts, ckpts / "last.ckpt"]},
+        "a_set": {str(ckpts / f"epoch={i}.ckpt") for i in range(kept)},  # in its hashes' order
+        "kth_value": torch.tensor(0.25),
+    }
+    path = folder / "last.ckpt"
+    torch.save({"callbacks": {"ModelCheckpoint{'monitor': 'val_loss'}": state}}, path)
+    return path
+
+
+def test_a_checkpoint_keyed_by_its_own_run_paths_is_identical(tmp_path: Path) -> None:
+    a, b = _runs(tmp_path)
+    verdict = compare_files("last.ckpt", _model_checkpoint(a), _model_checkpoint(b), (a, b))
+    assert (verdict.status, verdict.tensors_compared) == ("identical", 2), verdict.detail_lines()
+    assert verdict.detail == "same tensors and fields; the bytes differ"  # no class named
+    # negative control: another checkpoint is the best one, in the keys as in the values
+    other = _model_checkpoint(b, best="epoch=0-step=6.ckpt")
+    verdict = compare_files("last.ckpt", _model_checkpoint(a), other, (a, b))
+    assert verdict.status == "tensors"
+    key = "callbacks/ModelCheckpoint{'monitor': 'val_loss'}/best_k_models/{out}/ckpts/epoch="
+    assert [(d.name, d.status) for d in verdict.tensors] == [
+        (f"{key}0-step=6.ckpt", "extra"),
+        (f"{key}1-step=12.ckpt", "missing"),
+    ]
+    assert len(verdict.fields) == 6  # best and kth best path; the Path key's list, 2 each side
+    assert (
+        "callbacks/ModelCheckpoint{'monitor': 'val_loss'}/best_model_path: "
+        "'{out}/ckpts/epoch=1-step=12.ckpt' vs '{out}/ckpts/epoch=0-step=6.ckpt'"
+    ) in verdict.fields
+    fewer = compare_files("last.ckpt", _model_checkpoint(a), _model_checkpoint(b, kept=19), (a, b))
+    (row,) = fewer.fields
+    assert row.startswith("callbacks/ModelCheckpoint{'monitor': 'val_loss'}/a_set: set({'{out}/")
+
+
 def test_a_differing_tensor_inside_a_checkpoint_is_named_by_its_key(tmp_path: Path) -> None:
     a, b = _runs(tmp_path)
     verdict = compare_files("last.ckpt", _checkpoint(a), _checkpoint(b, weight=1.5), (a, b))
@@ -117,9 +160,9 @@ def test_a_checkpoint_holding_objects_is_compared_by_their_tensors_without_their
         )
     verdict = compare_files("x.pt", a / "x.pt", b / "x.pt", (a, b))
     assert verdict.status == "fields" and verdict.tensors_compared == 2
-    assert verdict.fields == ["when/args/0: '1' vs '2'"]
+    assert verdict.fields == ["when: PurePosixPath('1') vs PurePosixPath('2')"]  # read as a path
     assert "read without running its code: " in verdict.detail
-    assert f"{__name__}.Net" in verdict.detail and "pathlib.PosixPath" in verdict.detail
+    assert f"{__name__}.Net" in verdict.detail and "pathlib" not in verdict.detail
     # A tensor inside the pickled object is a tensor like any other.
     torch.save({"hyper_parameters": {"net": Net(0.5)}}, a / "y.pt")
     torch.save({"hyper_parameters": {"net": Net(0.25)}}, b / "y.pt")

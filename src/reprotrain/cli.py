@@ -31,6 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
+from reprotrain.commands._children import stop_on_sigterm, survive_closed_output
 from reprotrain.commands._exit_codes import (
     ERROR_PREFIX,
     EXIT_BAD_INPUT,
@@ -39,6 +40,8 @@ from reprotrain.commands._exit_codes import (
 )
 from reprotrain.pipeline.command import Command, add_override_option
 
+#: The package of the pipeline's stages (the first verbs of VERBS).
+STAGES = "reprotrain.pipeline.stages."
 #: Every verb -> the module that declares and runs it, in the order ``--help`` lists
 #: them: exactly the dvc.yaml stages, then the other commands. ``params`` is the CLI's own.
 VERBS = {
@@ -120,19 +123,32 @@ def main(argv: list[str] | None = None) -> int:
         parser.prog = f"reprotrain {args.command}"
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
 
-    from reprotrain.determinism import DeterminismError
-    from reprotrain.pipeline.config import ConfigError, load_params, render_defaults
-    from reprotrain.pipeline.errors import DataError, Interrupted
+    _warnings_as_one_line()
+    if not VERBS.get(args.command, "").startswith(STAGES):  # a stage's SIGTERM is Lightning's
+        stop_on_sigterm()
+    with survive_closed_output():
+        return _run(args, started)
+
+
+def _bad_input() -> tuple[type[Exception], ...]:
+    """The exceptions that mean bad input: one line, exit 2."""
+    from reprotrain.pipeline.config import ConfigError
+    from reprotrain.pipeline.errors import DataError
     from reprotrain.provenance.dvcchecksum import ChecksumError
 
-    def bad_input() -> tuple[type[Exception], ...]:
-        # Evaluated when an exception is matched. reprotrain.resume imports Lightning
-        # (seconds); a CheckpointError can only come from a command that imported it.
-        resume = sys.modules.get("reprotrain.resume")
-        extra = (resume.CheckpointError,) if resume is not None else ()
-        return (ConfigError, DataError, ChecksumError, *extra)
+    # reprotrain.resume imports Lightning (seconds); a CheckpointError can only come
+    # from a command that imported it.
+    resume = sys.modules.get("reprotrain.resume")
+    extra = (resume.CheckpointError,) if resume is not None else ()
+    return (ConfigError, DataError, ChecksumError, *extra)
 
-    _warnings_as_one_line()
+
+def _run(args: argparse.Namespace, started: bool) -> int:
+    """Run the parsed command; the errors it raises become one line and an exit code."""
+    from reprotrain.determinism import DeterminismError
+    from reprotrain.pipeline.config import load_params, render_defaults
+    from reprotrain.pipeline.errors import Interrupted
+
     try:
         if started and args.command != "params" and verb_command(args.command).restarts:
             _restart_for_determinism(args)
@@ -151,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             return result
         print(f"reprotrain {args.command}: {result}")
         return 0
-    except bad_input() as err:
+    except _bad_input() as err:
         return _fail(f"{err}", EXIT_BAD_INPUT)
     except DeterminismError as err:
         return _fail(f"{err}", EXIT_NOT_DETERMINISTIC)
@@ -235,12 +251,22 @@ STORAGE_ERRORS = {
 
 
 def _fail(message: str, code: int) -> int:
-    """Print one error line; under ``dvc repro``, say where the stage's old outputs are."""
+    """Print one error line; under ``dvc repro``, say where the stage's old outputs are.
+
+    Called while the error is handled: its notes (PEP 678) end the line, among them the
+    stage's own when it put the earlier outputs back (:mod:`reprotrain.pipeline.kept`),
+    which then is the one note on where they are.
+    """
+    from reprotrain.pipeline.kept import PUT_BACK
+
+    notes = [" ".join(str(note).split()) for note in getattr(sys.exception(), "__notes__", ())]
+    message += "".join(f" ({note})" for note in notes)
     stage = os.environ.get("DVC_STAGE")
-    if stage and stage != "env":
+    if stage and stage != "env" and not any(note.startswith(PUT_BACK) for note in notes):
         message += (
-            f" (dvc repro removed stage {stage}'s previous outputs before running it; they are "
-            f"in the DVC cache: `dvc checkout {stage}` restores them)"
+            f" (dvc repro removed stage {stage}'s previous outputs before running it; "
+            f"`dvc checkout {stage}` restores them from the DVC cache, except those dvc.yaml "
+            "marks cache: false: `git checkout` those, if committed)"
         )
     print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
     return code

@@ -5,20 +5,23 @@ run`` does (hash seed, cuBLAS workspace, optional CPU profile) with its own
 scratch folder: ``{out}`` in CMD is replaced by its absolute path and
 ``REPROTRAIN_OUT`` names it; ``REPROTRAIN_RUN_INDEX`` is the run's number; a
 line on stderr says when each run starts and how long it took. The files the
-user names with ``--output`` (default: every file any run wrote there) each
-get a verdict from :func:`reprotrain.compare.files.compare_files` (tensors,
-checkpoints, any other file by bytes with the run's folder as ``{out}``);
+user names with ``--output`` (each once; a folder: every file any run wrote under
+it; default: every file any run wrote there) each get a verdict from
+:func:`reprotrain.compare.files.compare_files` (tensors, checkpoints, any other
+file by bytes with the run's folder as ``{out}``);
 every other run is compared with run 0. When a tensor differs it goes down a level at a time:
 
 1. which tensors differ, by how much (a trace's fingerprints: which differ);
 2. the first diverging step, when a trace (:class:`~reprotrain.trace.callback.TraceCallback`)
    is among the outputs (:mod:`reprotrain.trace.diff`);
 3. the first diverging op: runs 0 and 1 again with ``REPROTRAIN_RECORD_OPS``
-   set to that step (``--ops-step`` when there is no trace; default 0), which
+   set to a step (``--ops-step`` when given, else the trace's step, else 0), which
    :class:`~reprotrain.ops.recorder.OpRecorder` and
    :func:`~reprotrain.ops.recorder.record_step` read, and aligns the two
    recordings (:mod:`reprotrain.ops.align`). A rerun that fails leaves the verdict
    as it is, with one line saying the op was not named: the rerun's error, its log.
+   Recordings that match although the runs differed get advice that offers only
+   what was not done (another step than the one given, a trace where none is).
 
 Exit codes (:data:`EXIT_CODES`), worst file first: 1 NOT REPRODUCIBLE (a
 tensor differs; the scratch folders are kept); 5 UNREADABLE (a file cannot be
@@ -26,11 +29,12 @@ read as its kind, named with the reader's error); 4 DIFFERS OUTSIDE TENSORS
 (every tensor equal; a log, a config or a checkpoint's other field differs);
 0 IDENTICAL. 2 bad input, one line: no command; an option that only the
 pipeline's runs take; a run that failed (its error line and its log); a
-command that wrote nothing under ``{out}``; an ``--output`` a run did not write,
-or one that is not a relative path inside the run's folder; a compared file that
-is a link resolving outside its run's folder (not that run's output: another
-file's bytes would be judged); a ``--workdir`` that is a file, or that holds an
-earlier verify's runs (the line names them and how to delete them).
+command that wrote nothing under ``{out}``; an ``--output`` a run did not write
+(or a folder with no file in it), or one that is not a relative path inside the
+run's folder; a compared file that is a link resolving outside its run's folder
+(not that run's output: another file's bytes would be judged); a ``--workdir``
+that is a file, or that holds an earlier verify's runs, whatever their number
+(the line names them and how to delete them).
 
 A verify that ends with no verdict removes what it made (the temporary folder;
 in ``--workdir`` the run folders, logs and folders it created, never what was
@@ -52,10 +56,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from reprotrain.atomic import atomic_write_text
+from reprotrain.commands._children import run_child
 from reprotrain.commands._exit_codes import (
     EXIT_CHECK_FAILED,
     EXIT_DIFFERS_OUTSIDE_TENSORS,
@@ -102,7 +107,7 @@ def _start(
     log = folder.with_name(f"{folder.name}.log")
     with log.open("wb") as sink:
         try:
-            done = subprocess.run(argv, env=env, stdout=sink, stderr=subprocess.STDOUT, check=False)
+            done = run_child(argv, env=env, stdout=sink, stderr=subprocess.STDOUT)
         except OSError as err:
             raise RunFailed(
                 f"{cmd[0]}: {err.strerror}; check the command after `--`", log, folder
@@ -154,16 +159,37 @@ def _interpreter_hint(log: str, program: str, env: Mapping[str, str]) -> str:
     )
 
 
-def _outputs(folders: list[Path], named: list[str]) -> list[str]:
-    """The files named, else every file any run wrote (a log named by its pid is in one)."""
-    if named:
-        return named
+def _outputs(folders: list[Path], named: list[str]) -> tuple[list[str], set[str]]:
+    """The files to compare, and those of them each run must have written (named files).
+
+    Without names: every file any run wrote (a log named by its pid is in one). A named
+    folder stands for every file any run wrote under it, at any depth, as with no names.
+    """
+    if not named:
+        return _files_under(folders, ""), set()
+    names: dict[str, None] = {}  # in the order named, each once
+    for name in named:
+        paths = [folder / name for folder in folders]
+        if any(p.is_file() for p in paths) or not any(p.is_dir() for p in paths):
+            names[name] = None
+            continue
+        if not (found := _files_under(folders, name)):
+            raise DataError(
+                f"--output {name}: a folder with no file in it in any run, so nothing was "
+                "compared; name a folder the command writes files in, or the files themselves"
+            )
+        names.update(dict.fromkeys(found))
+    return list(names), {name for name in named if name in names}
+
+
+def _files_under(folders: list[Path], under: str) -> list[str]:
+    """Every file any run wrote under ``under`` (``""``: its whole folder, less op recordings)."""
     return sorted(
         {
             str(p.relative_to(folder))
             for folder in folders
-            for p in folder.rglob("*")
-            if p.is_file() and p.relative_to(folder).parts[0] != OPS_FOLDER
+            for p in (folder / under).rglob("*")
+            if p.is_file() and (under or p.relative_to(folder).parts[0] != OPS_FOLDER)
         }
     )
 
@@ -255,13 +281,15 @@ def verify_script(args: argparse.Namespace) -> int:
         raise DataError(f"--runs {args.runs}: give 2 or more runs to compare")
     for name in args.outputs:
         refuse_outside_output(name)
+    # each file once, in the order named: `--output a --output ./a` compares (and prints) a once
+    outputs = list(dict.fromkeys(str(PurePath(name)) for name in args.outputs))
     base = launch_environment(args, os.environ)
     # absolute: {out} and REPROTRAIN_OUT must name the folder wherever the command cd's to
     if args.workdir is not None:
         workdir = args.workdir.absolute()
         made = missing_folders(workdir)
         ready_workdir(args.workdir)
-        refuse_earlier_runs(args.workdir, workdir, args.runs)
+        refuse_earlier_runs(args.workdir, workdir)
     else:
         workdir = Path(tempfile.mkdtemp(prefix="reprotrain-verify-")).absolute()
         made = [workdir]
@@ -269,13 +297,13 @@ def verify_script(args: argparse.Namespace) -> int:
     try:
         for index, folder in enumerate(folders):
             _timed_start(cmd, folder, index, base, {}, "run")
-        names = _outputs(folders, args.outputs)
+        names, required = _outputs(folders, outputs)
         if not names:
             raise DataError(
                 f"`{shlex.join(cmd)}` wrote nothing under {{out}} ({folders[0]}), so nothing was "
                 "compared: pass {out} to it as its output folder (Hydra: hydra.run.dir={out})"
             )
-        verdicts = [_worst_verdict(name, folders, bool(args.outputs)) for name in names]
+        verdicts = [_worst_verdict(name, folders, name in required) for name in names]
     except BaseException as err:  # removed unless it left something to look at; re-raised
         if not (isinstance(err, RunFailed) and err.evidence is not None):
             discard(workdir, args.runs, made, temporary=args.workdir is None)
@@ -311,7 +339,8 @@ def verify_script(args: argparse.Namespace) -> int:
 
 
 def _worst_verdict(name: str, folders: list[Path], named: bool) -> FileVerdict:
-    """``name`` in every run against run 0; the worst verdict of those comparisons."""
+    """``name`` in every run against run 0; the worst verdict of those comparisons. A file
+    ``named`` with ``--output`` that a run did not write is bad input, not a verdict."""
     paths = [f / name for f in folders]
     refuse_links_out(name, paths, folders)
     if missing := [i for i, p in enumerate(paths) if not p.is_file()]:
@@ -348,16 +377,17 @@ def overall_verdict(verdicts: list[FileVerdict]) -> str:
 
 
 def _locate(
-    cmd: list[str], folders: list[Path], names: list[str], base: dict, ops_step: int
+    cmd: list[str], folders: list[Path], names: list[str], base: dict, ops_step: int | None
 ) -> dict[str, Any]:
-    """Down to the step (a trace among the outputs) and the op (a recording of that step)."""
+    """Down to the step and the op (a recording of that step). The step is ``ops_step`` when
+    given (None: not given), else the first diverging step of a trace among the outputs,
+    else 0; ``ops_step_from`` says which."""
     # torch and Lightning: only when a tensor differs
     from reprotrain.ops.align import OpRecordError, compare_recordings
     from reprotrain.ops.opfile import DIR_VARIABLE, WINDOW_VARIABLE
     from reprotrain.trace.diff import compare_traces, with_op_diagnosis
 
     out: dict[str, Any] = {}
-    step = ops_step
     diff = None
     traces = [n for n in names if _is_trace(folders[0] / n)]
     if traces:
@@ -370,7 +400,15 @@ def _locate(
         else:
             diff = compare_traces(*loaded)
             out["trace"] = diff.to_text()
-            step = diff.first_step if diff.first_step is not None else step
+    first = diff.first_step if diff is not None else None
+    if first is not None:
+        out["trace_step"] = first
+    if ops_step is not None:  # the user's step wins; the header says where the traces part
+        step, out["ops_step_from"] = ops_step, "--ops-step"
+    elif first is not None:
+        step, out["ops_step_from"] = first, "trace"
+    else:
+        step, out["ops_step_from"] = 0, "default"
     out["ops_step"] = step
     recorded = [f.with_name(f"{f.name}-ops") for f in folders[:2]]
     for index, folder in enumerate(recorded):
@@ -395,15 +433,46 @@ def _locate(
         return out
     out["ops"] = result.to_text()
     if result.identical:  # e.g. a kernel that races in one pair of runs and not in another
-        out["ops"] += (
-            f"; the reruns matched at step {step} although the runs differed (a race or unwritten "
-            "memory that agreed this time): run verify again, record another step (--ops-step), "
-            "or add TraceCallback so verify finds the step"
-        )
+        traced = None if not traces else "unreadable" if diff is None else "read"
+        out["ops"] += _when_ops_match(step, out["ops_step_from"], traced, first)
     out["op"] = result.to_dict()
-    if diff is not None:  # one diagnosis: the op recording's, where it found the cause
-        out["trace"] = with_op_diagnosis(diff, out["op"]).to_text()
+    if diff is not None and step == first:  # one diagnosis: the op recording's, where it found
+        out["trace"] = with_op_diagnosis(diff, out["op"]).to_text()  # the cause at that step
     return out
+
+
+def _when_ops_match(step: int, source: str, traced: str | None, first: int | None) -> str:
+    """What to try when the recorded step matched although the runs differed: only what the
+    user has not done. ``source``: where the step came from (``ops_step_from``); ``traced``:
+    None without a trace among the outputs, else ``read`` or ``unreadable``; ``first``: the
+    traces' first diverging step."""
+    known = f"; the reruns matched at step {step} although the runs differed"
+    if traced == "read" and first is None:
+        known += " (the traces match, so they name no step)"
+    elif traced == "unreadable":
+        known += " (the trace could not be read, so it names no step)"
+    tries = ["run verify again"]
+    if first is not None and first != step:  # only with --ops-step
+        tries.append(f"record step {first}, where the traces first differ (drop --ops-step)")
+    elif source == "--ops-step":
+        tries.append(f"record another step than {step} (another --ops-step)")
+    elif source == "default":
+        tries.append("record another step (--ops-step N)")
+    if traced is None:
+        tries.append("add TraceCallback so verify finds the step")
+    either = " or ".join(tries) if len(tries) < 3 else f"{', '.join(tries[:-1])}, or {tries[-1]}"
+    return f"{known}; a race or unwritten memory may have agreed this time: {either}"
+
+
+def _step_origin(report: dict[str, Any]) -> str:
+    """Where the recorded step came from, when not from the default."""
+    step, first = report["ops_step"], report.get("trace_step")
+    if report["ops_step_from"] == "trace":
+        return " (where the traces first differ)"
+    if report["ops_step_from"] == "--ops-step":
+        apart = f"; the traces first differ at step {first}" if first not in (None, step) else ""
+        return f" (--ops-step {step}{apart})"
+    return ""
 
 
 #: Rows of a file's differences printed before "and N more".
@@ -439,7 +508,7 @@ def _text(report: dict[str, Any], verdicts: list[FileVerdict], workdir: Path | N
     if "ops_error" in report:
         lines.append(f"  {report['ops_error']}")
     if "ops" in report:
-        lines.append(f"  ops of step {report['ops_step']}:")
+        lines.append(f"  ops of step {report['ops_step']}{_step_origin(report)}:")
         lines += [f"    {line}" for line in report["ops"].splitlines()]
     lines.append(f"  runs kept in {workdir}")
     return "\n".join(lines)

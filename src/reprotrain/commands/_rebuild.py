@@ -28,6 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from reprotrain.commands._children import run_child
 from reprotrain.commands._git import git
 from reprotrain.pipeline.errors import DataError
 
@@ -73,11 +74,11 @@ def _fresh_venv(clone: Path, lock: str, venv: Path) -> dict[str, str]:
     """The clone's own ``make venv`` (its Makefile, its lock), with this Python's base."""
     print(f"reprotrain: installing the clone's {lock} and package into {venv}", flush=True)
     python = getattr(sys, "_base_executable", sys.executable)
-    made = subprocess.run(
+    made = run_child(
         ["make", "-C", str(clone), "venv", f"PYTHON={python}", f"LOCK={lock}", f"VENV={venv}"],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        check=False,
         env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
     )
     if made.returncode != 0:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from reprotrain.atomic import atomic_write_text
+from reprotrain.commands._children import run_child, start_child, stop_child
 from reprotrain.commands._exit_codes import ERROR_PREFIX
 from reprotrain.commands._findrun import FLAT, METRICS
 from reprotrain.hashing import canonical_json
@@ -96,7 +97,7 @@ def ensure_prepared(data: Path, command: str) -> None:
     if data.exists():
         return
     print(f"reprotrain {command}: {data} missing; running `dvc repro prepare`", file=sys.stderr)
-    done = subprocess.run(["dvc", "repro", "prepare"], check=False)
+    done = run_child(["dvc", "repro", "prepare"])
     if done.returncode != 0 or not data.exists():
         raise DataError(f"{data}: `dvc repro prepare` did not produce it; fix that stage first")
 
@@ -136,20 +137,25 @@ def train_fresh(
     jobs = max(1, jobs)
     for start in range(0, len(folders), jobs):
         batch = folders[start : start + jobs]
-        running = []
-        for folder in batch:
-            if folder.exists():
-                shutil.rmtree(folder)
-            print(f"reprotrain {command}: training {folder.name}", file=sys.stderr, flush=True)
-            argv = _train_command(train_args, folder, environment, overrides)
-            # A run's summary goes to stderr: stdout is for the command's result (and --json).
-            extra = None if env is None else {**os.environ, **env}
-            process = subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=extra
-            )
-            running.append((process, _relay_stderr(process)))
-        # stdout is one summary line per run; stderr goes through each run's relay thread
-        outputs = [process.stdout.read() for process, _ in running]  # type: ignore[union-attr]
+        running: list[tuple[subprocess.Popen[str], _StderrRelay]] = []
+        try:
+            for folder in batch:
+                if folder.exists():
+                    shutil.rmtree(folder)
+                print(f"reprotrain {command}: training {folder.name}", file=sys.stderr, flush=True)
+                argv = _train_command(train_args, folder, environment, overrides)
+                # A run's summary goes to stderr: stdout is for the command's result (--json).
+                extra = None if env is None else {**os.environ, **env}
+                process = start_child(
+                    argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=extra
+                )
+                running.append((process, _relay_stderr(process)))
+            # stdout is one summary line per run; stderr goes through each run's relay thread
+            outputs = [process.stdout.read() for process, _ in running]  # type: ignore[union-attr]
+        except BaseException:  # Ctrl-C or SIGTERM: the runs stop with this command
+            for process, _ in running:
+                stop_child(process)
+            raise
         for folder, (process, relay), output in zip(batch, running, outputs, strict=True):
             process.wait()
             relay.join()

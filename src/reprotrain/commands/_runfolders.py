@@ -3,7 +3,8 @@
 A run's folder holds its output; a compared file must be inside it (an
 ``--output`` relative and never above ``{out}``; no link out of the folder, whose
 target would be judged instead of what the run wrote). A verify never replaces
-an earlier one's runs (:func:`refuse_earlier_runs` names what to delete), and
+an earlier one's runs, nor starts beside them whatever their number
+(:func:`refuse_earlier_runs` names all of them and the ``rm`` that deletes them), and
 one that ends with no verdict removes what it made (:func:`discard`) unless a
 failed run left something to read (:class:`RunFailed`'s ``evidence``). Names
 are printed as stdout can encode them (:func:`printable`).
@@ -63,9 +64,30 @@ def written_paths(workdir: Path, runs: int) -> list[Path]:
     ]
 
 
-def refuse_earlier_runs(given: Path, workdir: Path, runs: int) -> None:
-    """Nothing of an earlier verify is replaced: refused, naming exactly what to delete."""
-    if taken := [p for p in written_paths(workdir, runs) if p.exists() or p.is_symlink()]:
+def earlier_runs(workdir: Path) -> list[Path]:
+    """What any earlier verify wrote in ``workdir``, whatever its ``--runs``: every ``run-N``
+    and ``run-N.log``, the ops reruns and their logs, the verified record; in run order."""
+    if not workdir.is_dir():
+        return []
+    found = [p for p in workdir.iterdir() if p.name == VERIFIED_FILE or _RUN_PATH.fullmatch(p.name)]
+    return sorted(found, key=_run_order)
+
+
+#: The names verify gives a run's folder and log (:func:`written_paths`), and the two ops reruns'.
+_RUN_PATH = re.compile(r"run-(0|[1-9]\d*)(?:\.log)?|run-([01])-ops(?:\.log)?")
+
+
+def _run_order(path: Path) -> tuple[int, bool, str]:
+    """run-2 before run-10, a run's ops rerun after it; the verified record last."""
+    if found := _RUN_PATH.fullmatch(path.name):
+        return int(found.group(1) or found.group(2)), found.group(2) is not None, path.name
+    return sys.maxsize, False, path.name
+
+
+def refuse_earlier_runs(given: Path, workdir: Path) -> None:
+    """Nothing of an earlier verify is replaced, nor left beside new runs (an earlier
+    ``--runs 3``'s run-2): refused, naming every such path, so its ``rm`` clears the way."""
+    if taken := earlier_runs(workdir):
         more = f" (and {', '.join(p.name for p in taken[1:])})" if taken[1:] else ""
         rm = shlex.join(["rm", "-r", *map(str, taken)])
         raise DataError(

@@ -61,6 +61,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from reprotrain.commands._children import run_child
 from reprotrain.commands._exit_codes import (
     ERROR_PREFIX,
     EXIT_CHECK_FAILED,
@@ -85,7 +86,7 @@ KERNEL_RECORDS = ("loss", "grads")
 #: Options of ``verify -- CMD`` that the pipeline's own runs refuse (default: not given).
 _SCRIPT_ONLY = {
     "--output": lambda args: bool(args.outputs),
-    "--ops-step": lambda args: args.ops_step != 0,
+    "--ops-step": lambda args: args.ops_step is not None,
     "--cpu-profile": lambda args: args.cpu_profile is not None,
     "--threads": lambda args: args.threads is not None,
 }
@@ -152,8 +153,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ops-step",
         type=at_least(0, "--ops-step 0 (steps count from 0)", "a step number"),
-        default=0,
-        help="with `-- CMD`: the step to record ops of when no trace names one (default 0)",
+        default=None,
+        help="with `-- CMD`: the step to record ops of (default: where the traces first "
+        "differ, else 0)",
     )
 
 
@@ -312,10 +314,11 @@ def check_reference(rev: str, workdir: Path | None) -> int:
     # The clone's own code (its src/, which DVC hashes), not the package installed here.
     variables = clone_environment(clone)
     print(f"reprotrain verify: dvc repro in a clone of {rev} ({clone})", flush=True)
-    repro = subprocess.run(
+    repro = run_child(
         [python_of(variables), "-m", "dvc", "repro", "--all-pipelines", "--no-run-cache"],
         cwd=clone,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=variables,
     )

@@ -41,6 +41,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from reprotrain.commands._children import run_child
 from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED, EXIT_UNVERIFIABLE_HERE
 from reprotrain.commands._git import git
 from reprotrain.commands._rebuild import python_of
@@ -293,7 +294,9 @@ def _differing_fields(attested: dict[str, Any], here: dict[str, Any]) -> list[st
 
 def _run(argv: list[str], cwd: Path, variables: dict[str, str], name: str = "") -> None:
     try:
-        done = subprocess.run(argv, cwd=cwd, env=variables, capture_output=True, text=True)
+        done = run_child(
+            argv, cwd=cwd, env=variables, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     except OSError as err:
         raise DataError(f"{argv[0]}: {err.strerror} (in {cwd})") from None
     if done.returncode != 0:

@@ -18,14 +18,19 @@ file is read as its kind:
 * ``file``: any other file, by bytes; a text file names its first differing line.
 
 Before comparing, each run's own folder path (as given and resolved) is
-replaced by ``{out}`` in strings and bytes, so a config or a checkpoint that
-records where it was written compares equal. The verdict's ``status`` is
-``identical``, ``tensors`` (a tensor differs: value, dtype, shape, missing),
-``fields`` (every tensor equal, a non-tensor value differs), ``bytes`` (a
-file with no tensors differs) or ``unreadable`` (one of the two cannot be
-read as its kind; ``detail`` names the file and the reader's error). A file
-that differs only outside its tensors is never ``tensors``. A file only one
-run wrote (:func:`one_sided`) is ``tensors`` when it holds tensors, else ``bytes``.
+replaced by ``{out}`` in strings, in key paths (``ModelCheckpoint``'s
+``best_k_models`` is keyed by each checkpoint's path) and in bytes, so a config
+or a checkpoint that records where it was written compares equal; a pickled
+``pathlib`` path is read as that path (its parts in one string), not as a
+placeholder; a set is compared by its sorted members (its order follows the
+hashes of each run's own paths). Another name in a key is still a difference.
+The verdict's ``status`` is ``identical``, ``tensors`` (a tensor differs:
+value, dtype, shape, missing), ``fields`` (every tensor equal, a non-tensor
+value differs), ``bytes`` (a file with no tensors differs) or ``unreadable``
+(one of the two cannot be read as its kind; ``detail`` names the file and the
+reader's error). A file that differs only outside its tensors is never
+``tensors``. A file only one run wrote (:func:`one_sided`) is ``tensors`` when
+it holds tensors, else ``bytes``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import pickle
 import re
 import zipfile
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any, Literal
 
 from reprotrain.hashing import METADATA_KEY
@@ -151,7 +156,7 @@ def compare_files(name: str, a: Path, b: Path, folders: tuple[Path, Path]) -> Fi
         except _read_errors(kind) as err:
             return FileVerdict(name, kind, "unreadable", detail=f"{path}: {_reason(err, kind)}")
         unloaded = fields.get(NOT_LOADED, "")
-        loaded.append((tensors, _placeheld(fields, folder), hashes))
+        loaded.append((_placeheld_keys(tensors, folder), _placeheld(fields, folder), hashes))
     from reprotrain.compare.weights import compare_weights
 
     (ta, fa, hashes), (tb, fb, _) = loaded
@@ -254,7 +259,7 @@ def _read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
     tensors: dict[str, Any] = {}
     fields: dict[str, Any] = {}
     _flatten(loaded, "", tensors, fields, torch.Tensor, Opaque, set())
-    if unloaded:
+    if unloaded := [name for name in unloaded if name not in _PATH_CLASSES]:  # read as paths
         fields[NOT_LOADED] = ", ".join(unloaded)
     return tensors, fields, False
 
@@ -272,6 +277,7 @@ def _flatten(
     if isinstance(value, tensor_type):
         tensors[key or "(tensor)"] = value
         return
+    value = _as_path(value, opaque)
     if isinstance(value, dict | list | tuple | opaque) and value:
         if id(value) in seen:
             fields[key] = "<seen above>"
@@ -281,6 +287,7 @@ def _flatten(
         value = value.contents()
     if isinstance(value, dict) and value:
         for k, v in value.items():
+            k = _as_path(k, opaque)  # a Path key (a placeholder otherwise): keyed by its text
             _flatten(v, f"{key}/{k}" if key else str(k), tensors, fields, tensor_type, opaque, seen)
     elif isinstance(value, list | tuple) and value:
         for i, v in enumerate(value):
@@ -289,19 +296,55 @@ def _flatten(
         fields[key or "(value)"] = value
 
 
+#: pathlib's classes: a pickled path (not in ``weights_only``'s list, so a placeholder whose
+#: arguments are the path's parts) is read back as a pure path, which runs no code.
+_PATH_CLASSES = {
+    **dict.fromkeys(("pathlib.PosixPath", "pathlib.PurePosixPath"), PurePosixPath),
+    **dict.fromkeys(("pathlib.WindowsPath", "pathlib.PureWindowsPath"), PureWindowsPath),
+}
+
+
+def _as_path(value: Any, opaque: type) -> Any:
+    """A placeholder of a pickled path as that path (its parts in one string, where a run's
+    folder is found like in any other); any other value as it is."""
+    if not isinstance(value, opaque) or value.path not in _PATH_CLASSES:
+        return value
+    contents = value.contents()
+    parts = list(contents.get("args", {}).values())
+    if not all(isinstance(part, str) for part in parts) or "state" in contents:
+        return value
+    return _PATH_CLASSES[value.path](*parts)
+
+
 def _folder_spellings(folder: Path) -> list[str]:
     spellings = {str(folder), str(folder.resolve())}
     return sorted(spellings, key=len, reverse=True)  # the longer first: one may contain the other
 
 
+def _with_placeholder(text: str, folder: Path) -> str:
+    for spelling in _folder_spellings(folder):
+        text = text.replace(spelling, PLACEHOLDER)
+    return text
+
+
+def _placeheld_keys(tensors: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The same tensors, with the run's own folder in their key paths written as ``{out}``
+    (``ModelCheckpoint``'s ``best_k_models`` is keyed by each checkpoint's path)."""
+    return {_with_placeholder(key, folder): value for key, value in tensors.items()}
+
+
 def _placeheld(fields: dict[str, Any], folder: Path) -> dict[str, str]:
-    """Each value's repr, with the run's own folder written as ``{out}``."""
+    """Each value's repr by its key path, with the run's own folder written as ``{out}`` in
+    both."""
     out = {}
     for key, value in fields.items():
-        text = value if isinstance(value, str) else repr(value)
-        for spelling in _folder_spellings(folder):
-            text = text.replace(spelling, PLACEHOLDER)
-        out[key] = repr(text) if isinstance(value, str) else text
+        # a set's order follows its members' hashes, and each run's paths hash otherwise
+        if isinstance(value, set | frozenset):
+            members = sorted(_with_placeholder(repr(v), folder) for v in value)
+            text = f"{type(value).__name__}({{{', '.join(members)}}})"
+        else:
+            text = _with_placeholder(value if isinstance(value, str) else repr(value), folder)
+        out[_with_placeholder(key, folder)] = repr(text) if isinstance(value, str) else text
     return out
 
 
