@@ -133,6 +133,51 @@ def test_an_override_may_add_an_init_arg(repo_root: Path) -> None:
     assert params.data.init_args["extra"] == 1
 
 
+def _without_init_args(tmp_path: Path) -> Path:
+    """params.yaml whose model section leaves init_args out (valid: every argument but the
+    linked ones has a default)."""
+    raw = _with("model.init_args", _DELETE)
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_an_override_under_init_args_works_where_the_file_leaves_init_args_out(
+    tmp_path: Path,
+) -> None:
+    from reprotrain.pipeline.recipe import resolve_recipe
+
+    path = _without_init_args(tmp_path)
+    assert resolve_recipe(load_params(path)).model.init_args["lr"] == 0.005  # control: default
+    params = load_params(path, ["model.init_args.lr=1"])
+    assert params.model.init_args == {"lr": 1}
+    assert resolve_recipe(params).model.init_args["lr"] == 1.0
+
+
+def test_an_unknown_argument_under_a_left_out_init_args_is_refused_by_the_class(
+    tmp_path: Path,
+) -> None:
+    from reprotrain.pipeline.recipe import resolve_recipe
+
+    params = load_params(_without_init_args(tmp_path), ["model.init_args.hiddn=3"])
+    with pytest.raises(ConfigError, match=r"^model\.init_args\.hiddn: no such argument of "):
+        resolve_recipe(params)
+    with pytest.raises(ConfigError, match=r"unknown key 'model\.init_arg\.lr'"):
+        load_params(_without_init_args(tmp_path), ["model.init_arg.lr=1"])  # not init_args
+
+
+def test_a_null_override_is_kept_and_refused_where_the_type_allows_no_none(
+    repo_root: Path,
+) -> None:
+    from reprotrain.pipeline.recipe import resolve_recipe
+
+    params = load_params(repo_root / "params.yaml", ["model.init_args.hidden=null"])
+    assert params.model.init_args["hidden"] is None  # null, not the default
+    with pytest.raises(ConfigError, match=r"^model\.init_args\.hidden: got null, which "):
+        resolve_recipe(params)
+    resolve_recipe(load_params(repo_root / "params.yaml", ["model.init_args.hidden=32"]))
+
+
 @pytest.mark.parametrize("item", ["train.momentum=1", "nokey", "data=3"])
 def test_bad_override_is_refused(item: str, repo_root: Path) -> None:
     with pytest.raises(ConfigError):

@@ -92,6 +92,21 @@ class NoTestDataset(L.LightningDataModule):
     val_dataset = train_dataset
 
 
+class Pretrained(Model):
+    """Loads pretrained weights from a file its __init__ names (a file outside --data would
+    decide the bits unseen by the run ID)."""
+
+    def __init__(self, num_classes: int, init_from: str = "") -> None:
+        super().__init__(num_classes)
+
+
+class MnistLike(Data):
+    """Lightning's MNISTDataModule signature: data_dir defaults to the working directory."""
+
+    def __init__(self, data_dir: str = "./", batch_size: int = 4) -> None:
+        super().__init__(batch_size)
+
+
 class LinksAbsent(Data):
     model_links = ("vocab_size",)
 
@@ -120,6 +135,8 @@ def user_module() -> Iterator[None]:
         NoTestDataset,
         LinksAbsent,
         Streaming,
+        Pretrained,
+        MnistLike,
     ):
         setattr(module, cls.__name__, cls)
     sys.modules["usercontract"] = module
@@ -128,13 +145,17 @@ def user_module() -> Iterator[None]:
 
 
 def _params(
-    model: str = "Model", data: str = "Data", model_args: dict | None = None, **changes: object
+    model: str = "Model",
+    data: str = "Data",
+    model_args: dict | None = None,
+    data_args: dict | None = None,
+    **changes: object,
 ) -> Params:
     return parse_params(
         params_with(
             {
                 "model": {"class_path": f"usercontract.{model}", "init_args": model_args or {}},
-                "data": {"class_path": f"usercontract.{data}", "init_args": {}},
+                "data": {"class_path": f"usercontract.{data}", "init_args": data_args or {}},
                 **changes,
             }
         )
@@ -218,6 +239,42 @@ def test_a_file_the_data_module_names_must_be_a_data_file_of_the_stage(
     with pytest.raises(ConfigError, match=message):
         check_data_files(recipe, [])
     check_data_files(recipe, [data])  # listed: covered by the run ID
+
+
+def test_a_file_the_model_names_must_be_a_data_file_of_the_stage(tmp_path: Path) -> None:
+    """A pretrained weights file the model's __init__ loads decides the bits as data does."""
+    weights = tmp_path / "l1.pt"
+    weights.write_bytes(b"weights")
+    recipe = resolve_recipe(_params(model="Pretrained", model_args={"init_from": str(weights)}))
+    message = r"^model\.init_args\.init_from: .*l1\.pt is read by usercontract\.Pretrained but "
+    with pytest.raises(ConfigError, match=message + r"is not a --data file of the train stage"):
+        check_data_files(recipe, [])
+    check_data_files(recipe, [weights])  # control: listed, so covered by the run ID
+    assert unread_data_files(recipe, [weights]) == []  # and the model names it: no note
+
+
+@pytest.mark.parametrize("data_dir", [".", "./", "root", "above"])
+def test_a_data_folder_holding_the_repository_root_is_refused_with_a_folder_to_use(
+    data_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's MNIST ``data_dir: "./"``: ``--data ./`` would hash the outputs too."""
+    root = tmp_path / "repo"
+    (root / "data" / "mnist").mkdir(parents=True)
+    monkeypatch.chdir(root)  # DVC runs the stages from the repository root
+    value = {"root": str(root), "above": str(tmp_path)}.get(data_dir, data_dir)
+    args = {} if data_dir == "./" else {"data_dir": value}  # "./" is the class's default
+    recipe = resolve_recipe(_params(data="MnistLike", data_args=args))
+    for listed in ([], [Path(value)]):  # listed or not: no --data folder can hold the root
+        with pytest.raises(ConfigError) as caught:
+            check_data_files(recipe, listed)
+        message = str(caught.value)
+        assert message.startswith(f"data.init_args.data_dir: {value!r} is read by ")
+        assert "point data.init_args.data_dir at a folder that holds only the data" in message
+        assert f"--data {value}`" not in message and "\n" not in message
+    folder = _params(data="MnistLike", data_args={"data_dir": "data/mnist"})
+    check_data_files(resolve_recipe(folder), [Path("data/mnist")])  # control: a data folder
+    with pytest.raises(ConfigError, match=r"add `--data data/mnist` to the train stage's cmd"):
+        check_data_files(resolve_recipe(folder), [])  # not listed: the usual advice
 
 
 class Draws(Dataset):

@@ -101,6 +101,19 @@ def test_fingerprint_prints_the_run_id_of_the_last_run(dvc_repo: Path) -> None:
     assert other.splitlines()[-1] != printed
 
 
+def test_run_id_of_the_lm_pipeline_reads_its_own_stage_command(dvc_repo: Path) -> None:
+    # the stage's cmd names --params, which the stage parser must take as the CLI does
+    lm = dvc_repo / "pipelines/lm"
+    recorded = json.loads((lm / "reports/run.json").read_text())["run_id"]
+    argv = ["run-id", "--dvc-yaml", "pipelines/lm/dvc.yaml", "--params", "pipelines/lm/params.yaml"]
+    printed = run_checked("reprotrain", *argv, cwd=dvc_repo).strip().splitlines()[-1]
+    assert printed == recorded
+    # control: params.yaml (the digits recipe's) is not what that stage reads: one line
+    wrong = run_cli("run-id", "--dvc-yaml", "pipelines/lm/dvc.yaml", cwd=dvc_repo)
+    assert wrong.returncode == 2
+    assert "pass --params pipelines/lm/params.yaml" in wrong.stderr.strip().splitlines()[-1]
+
+
 def test_dvc_md5_is_our_md5(dvc_repo: Path) -> None:
     path = dvc_repo / "data/prepared/dataset.safetensors"
     assert verify_dvc_checksum(path, dvc_repo / "dvc.lock") == (md5_file(path), md5_file(path))

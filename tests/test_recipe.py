@@ -26,6 +26,8 @@ FROM_DATA = ("input_shape", "num_classes")  # the pipeline's, from the prepared 
 USER_MODEL = '''\
 """A user's flat LightningModule, shaped as the digits CNN is meant to become."""
 
+from typing import Any, Optional
+
 import lightning as L
 from torch import nn
 
@@ -47,6 +49,23 @@ class NeedsWidth(L.LightningModule):
 
 class NotAModule:
     pass
+
+
+class Nullable(L.LightningModule):
+    """Keeps what reached it: a null must arrive as None, not as the default."""
+
+    def __init__(
+        self,
+        dropout: Optional[float] = 0.5,
+        lr: float = 0.01,
+        hidden: int = 3,
+        scale=2,
+        extra: Any = 1,
+        tag: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        self.got = {"dropout": dropout, "lr": lr, "hidden": hidden, "scale": scale}
+        self.got.update(extra=extra, tag=tag)
 '''
 
 USER_LAYERS = """\
@@ -65,6 +84,11 @@ import lightning as L
 
 class Digits(L.LightningDataModule):
     def __init__(self, batch_size: int = 64, augment: bool = True) -> None:
+        super().__init__()
+
+
+class Wrapper(L.LightningDataModule):
+    def __init__(self, net: L.LightningModule) -> None:
         super().__init__()
 """
 
@@ -154,6 +178,72 @@ def test_a_wrong_type_is_one_line_naming_the_key(user_package: Path) -> None:
     )
     restricted = {"class_path": CLASSIFIER, "init_args": {"dropout": 1.5}}
     assert _error(restricted).startswith("model.init_args.dropout: Not of type Probability: 1.5")
+
+
+NULLABLE = "usernet.model.Nullable"
+
+
+@pytest.mark.parametrize("name", ["dropout", "scale", "extra"])  # Optional, untyped, Any
+def test_null_reaches_the_class_and_the_record_where_its_type_allows_none(
+    name: str, user_package: Path
+) -> None:
+    resolved = _model({"class_path": NULLABLE, "init_args": {name: None}}, ())
+    assert name in resolved.init_args and resolved.init_args[name] is None  # run ID, weights
+    assert resolved.instantiate().got[name] is None  # not the class's default
+    default = _model({"class_path": NULLABLE}, ())  # control: left out, the default
+    assert default.init_args[name] is not None
+    assert default.instantiate().got[name] is not None
+
+
+def test_a_none_default_is_recorded_with_every_other_argument(user_package: Path) -> None:
+    resolved = _model({"class_path": NULLABLE}, ())
+    assert resolved.init_args == {
+        "dropout": 0.5, "lr": 0.01, "hidden": 3, "scale": 2, "extra": 1, "tag": None,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "kind"), [("hidden", "an int"), ("lr", "a float")])
+def test_null_where_the_type_allows_no_none_is_one_line_naming_the_key(
+    name: str, kind: str, user_package: Path
+) -> None:
+    message = _error({"class_path": NULLABLE, "init_args": {name: None}}, provided=())
+    assert message == (
+        f"model.init_args.{name}: expected {kind}, got null, which its type in "
+        "usernet.model.Nullable does not allow (Optional[...] would); set a value, or leave it "
+        "out for its default"
+    )
+    _model({"class_path": NULLABLE, "init_args": {name: 4}}, ())  # control: a value passes
+
+
+def test_null_in_a_restricted_type_or_a_nested_class_is_refused_by_key(user_package: Path) -> None:
+    restricted = _error({"class_path": CLASSIFIER, "init_args": {"hidden": None}})
+    assert restricted.startswith("model.init_args.hidden: got null, which its type in ")
+    nested = _error(
+        {"class_path": "usernet.data.Wrapper", "init_args": {"net": {
+            "class_path": NULLABLE, "init_args": {"hidden": None}}}},
+        L.LightningDataModule, (),
+    )  # fmt: skip
+    assert nested.startswith("data.init_args.net: ") and "Got value: None" in nested
+    section = {"class_path": "usernet.data.Wrapper", "init_args": {"net": {
+        "class_path": NULLABLE, "init_args": {"dropout": None}}}}  # fmt: skip
+    kept = resolve_component(parse_component(section, "data"), "data", L.LightningDataModule)
+    assert kept.init_args["net"]["init_args"]["dropout"] is None  # control: Optional keeps it
+
+
+@pytest.mark.parametrize("params", ["params.yaml", "pipelines/lm/params.yaml"])
+def test_shipped_recipes_resolve_to_what_their_params_spell_out(
+    params: str, repo_root: Path
+) -> None:
+    """The run ID's recipe input for the shipped pipelines: every argument, as written, and
+    no null added by the null handling (so their run IDs stay where they were)."""
+    from reprotrain.pipeline.config import load_params
+    from reprotrain.pipeline.recipe import resolve_recipe
+
+    written = load_params(repo_root / params)
+    record = resolve_recipe(written).record()
+    for key in ("model", "data"):
+        section = getattr(written, key)
+        assert record[key] == {"class_path": section.class_path, "init_args": section.init_args}
 
 
 def test_a_class_of_the_wrong_kind_is_refused(user_package: Path) -> None:

@@ -38,7 +38,7 @@ from reprotrain.commands._exit_codes import (
     EXIT_INTERRUPTED,
     EXIT_NOT_DETERMINISTIC,
 )
-from reprotrain.pipeline.command import Command, add_override_option
+from reprotrain.pipeline.command import Command, add_param_options
 
 #: The package of the pipeline's stages (the first verbs of VERBS).
 STAGES = "reprotrain.pipeline.stages."
@@ -91,17 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_param_options(params)
     params.add_argument("--defaults", action="store_true", help="print a default params.yaml")
     return parser
-
-
-def add_param_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file")
-    parser.add_argument("--seed", type=int, help="override `seed`")
-    parser.add_argument(
-        "--deterministic", choices=("true", "false", "warn"), help="override `deterministic`"
-    )
-    add_override_option(
-        parser, "override any key, e.g. -S model.init_args.lr=0.01 (as in `dvc exp run -S`)"
-    )
 
 
 def overrides(args: argparse.Namespace) -> list[str]:

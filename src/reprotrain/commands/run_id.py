@@ -14,6 +14,7 @@ import json
 from reprotrain.determinism import configure_determinism
 from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.config import Params
+from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.stages import train
 from reprotrain.pipeline.stages.env import record_environment
 from reprotrain.provenance.identity import run_id
@@ -37,9 +38,14 @@ COMMAND = Command(
 def run(params: Params, args: argparse.Namespace) -> int:
     from reprotrain.pipeline.recipe import resolve_recipe  # jsonargparse, Lightning
 
+    train_args = stage_arguments("train", args.dvc_yaml)
+    if train_args.params.resolve() != args.params.resolve():
+        raise DataError(
+            f"{args.dvc_yaml}: its train stage reads {train_args.params}, not {args.params}; "
+            f"pass --params {train_args.params}"
+        )
     environment = record_environment(stage_arguments("env", args.dvc_yaml).lock)
     settings = configure_determinism(params.seed, params.deterministic, params.cpu.to_profile())
-    train_args = stage_arguments("train", args.dvc_yaml)
     recipe = resolve_recipe(params)
     inputs = train.stage_inputs(
         params, recipe, train_args.data, environment, train_args.dvc_lock, settings

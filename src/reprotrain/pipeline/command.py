@@ -62,6 +62,18 @@ def add_override_option(parser: argparse.ArgumentParser, example: str) -> None:
     )
 
 
+def add_param_options(parser: argparse.ArgumentParser) -> None:
+    """``--params``, ``--seed``, ``--deterministic`` and ``-S``: a verb that reads params.yaml."""
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file")
+    parser.add_argument("--seed", type=int, help="override `seed`")
+    parser.add_argument(
+        "--deterministic", choices=("true", "false", "warn"), help="override `deterministic`"
+    )
+    add_override_option(
+        parser, "override any key, e.g. -S model.init_args.lr=0.01 (as in `dvc exp run -S`)"
+    )
+
+
 def add_paths(parser: argparse.ArgumentParser, spec: dict[str, str], required: bool) -> None:
     """One ``--NAME PATH`` option per entry of ``spec`` (name -> help)."""
     for name, help_text in spec.items():
@@ -76,7 +88,7 @@ def add_data_files(parser: argparse.ArgumentParser, use: str) -> None:
         action="append",
         default=[],
         metavar="PATH",
-        help=f"a file the data module reads (repeat for more): {use}",
+        help=f"a file or folder the data module reads (repeat for more): {use}",
     )
 
 
@@ -152,5 +164,7 @@ def stage_arguments(stage: str, dvc_yaml: Path) -> argparse.Namespace:
     """
     parser = _StageParser(stage, dvc_yaml)
     module = importlib.import_module(f"reprotrain.pipeline.stages.{stage}")
+    if module.COMMAND.takes_params:  # `--params pipelines/lm/params.yaml`, as the CLI takes it
+        add_param_options(parser)
     module.add_arguments(parser)
     return parser.parse_args(stage_command(stage, dvc_yaml)[2:])

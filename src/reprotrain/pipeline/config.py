@@ -272,6 +272,10 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     node = raw
     for part in parents:
         child = node.get(part)
+        if child is None and part == "init_args" and "class_path" in node:
+            # a section may leave init_args out (every argument has a default): the
+            # class's argument list, not the file, decides which keys exist under it
+            child = node[part] = {}
         if not isinstance(child, dict):
             raise ConfigError(f"override {item!r}: unknown key {key!r}; {DEFAULTS_HINT} lists them")
         node = child

@@ -99,38 +99,55 @@ def check_recipe(params: Params, recipe: Recipe) -> None:
 
 
 def check_data_files(recipe: Recipe, data: list[Path]) -> None:
-    """Refuse a file the data module names that the run ID would not cover.
+    """Refuse a file the model or the data module names that the run ID would not cover.
 
-    Any top-level ``data.init_args`` string that names an existing file or folder
-    (a shard folder, docs/data.md) is data the module reads; it must be one of the
-    train stage's ``--data`` paths, which are checked against ``dvc.lock`` and
+    Any top-level ``data.init_args`` or ``model.init_args`` string that names an
+    existing file or folder (a shard folder, docs/data.md; a pretrained weights
+    file the model's ``__init__`` loads) is data the class reads; it must be one of
+    the train stage's ``--data`` paths, which are checked against ``dvc.lock`` and
     hashed into the run ID. Otherwise a changed file would train other bits under
-    the same run ID.
+    the same run ID. A folder that holds the repository root (``.``, ``./``, as
+    Lightning's MNIST ``data_dir`` defaults) cannot be a ``--data`` folder at all:
+    it holds the stages' own outputs, so it is refused even when listed.
     """
+    root = Path.cwd().resolve()  # the repository root: DVC runs the stages there
     listed = [path.resolve() for path in data]
-    for name, value in recipe.data.init_args.items():
-        if not isinstance(value, str) or not value or not Path(value).exists():
-            continue
-        if Path(value).resolve() not in listed:
-            kind = "folder" if Path(value).is_dir() else "file"
-            raise ConfigError(
-                f"data.init_args.{name}: {value} is read by {recipe.data.class_path} but is not "
-                f"a --data {kind} of the train stage, so the run ID would not cover it; add "
-                f"`--data {value}` to the train stage's cmd in dvc.yaml (and {value} to its deps)"
-            )
+    for key, component in (("data", recipe.data), ("model", recipe.model)):
+        for name, value in component.init_args.items():
+            if not isinstance(value, str) or not value or not Path(value).exists():
+                continue
+            where = f"{key}.init_args.{name}"
+            if root.is_relative_to(Path(value).resolve()):
+                raise ConfigError(
+                    f"{where}: {value!r} is read by {component.class_path} but holds the "
+                    "repository root, stage outputs and all, so it cannot be a --data folder; "
+                    f"point {where} at a folder that holds only the data (e.g. data/mnist) and "
+                    "pass that folder as --data to the train stage (`--data data/mnist` in its "
+                    "cmd in dvc.yaml, and data/mnist in its deps)"
+                )
+            if Path(value).resolve() not in listed:
+                kind = "folder" if Path(value).is_dir() else "file"
+                raise ConfigError(
+                    f"{where}: {value} is read by {component.class_path} but is not a --data "
+                    f"{kind} of the train stage, so the run ID would not cover it; add "
+                    f"`--data {value}` to the train stage's cmd in dvc.yaml (and {value} to its "
+                    "deps)"
+                )
 
 
 def unread_data_files(recipe: Recipe, data: list[Path]) -> list[Path]:
-    """The train stage's ``--data`` paths that no ``data.init_args`` string names.
+    """The train stage's ``--data`` paths that no ``data.init_args`` or ``model.init_args``
+    string names.
 
     Such a file stays in the run ID (and DVC reruns train when it changes)
-    though the data module may never read it: a module that reads no file (or
-    names its files in its code) needs no ``--data``. Not a refusal: a module
-    may read a file its code names; the env stage says it once.
+    though no class may ever read it: a module that reads no file (or names its
+    files in its code) needs no ``--data``. Not a refusal: a module may read a
+    file its code names; the env stage says it once.
     """
     named = {
         Path(value).resolve()
-        for value in recipe.data.init_args.values()
+        for component in (recipe.data, recipe.model)
+        for value in component.init_args.values()
         if isinstance(value, str) and value
     }
     return [path for path in data if path.resolve() not in named]

@@ -22,7 +22,10 @@ model from the weights file alone.
 Every error is a :class:`~reprotrain.pipeline.config.ConfigError` of one line
 naming the key path (``model.init_args.hidden``) and what to do. jsonargparse's
 coercions stay: a string such as ``'1e-3'`` for a float parameter is accepted
-(PyYAML reads ``1e-3`` as a string), ``'abc'`` is not.
+(PyYAML reads ``1e-3`` as a string), ``'abc'`` is not. ``null`` is a value like
+any other: it reaches the class, and is recorded, where the argument's type
+allows None (``Optional[float]``, ``Any``, untyped, a ``None`` default), and is
+refused where it does not (``int``), never replaced by the default.
 
 :func:`code_files` lists the code that decides the bits: the source of the
 package the class lives in. Code installed in site-packages is pinned by the
@@ -38,12 +41,13 @@ import re
 import site
 import sys
 import sysconfig
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jsonargparse import ArgumentError, ArgumentParser
+from jsonargparse import ArgumentError, ArgumentParser, set_parsing_settings
 
 from reprotrain.pipeline.config import Component, ConfigError, Params
 from reprotrain.provenance.identity import source_files
@@ -76,8 +80,9 @@ class ResolvedComponent:
                 f"{self.key}: {self.class_path} needs exactly {sorted(self.provided)} from the "
                 f"pipeline, got {sorted(provided)}"
             )
-        parser = _parser(self.cls, self.key, self.provided)
-        built = parser.instantiate(parser.parse_object(self.init_args))
+        with _null_is_a_value():
+            parser = _parser(self.cls, self.key, self.provided)
+            built = parser.instantiate(parser.parse_object(self.init_args))
         return self.cls(**{name: _plain(built[name]) for name in self.init_args}, **provided)
 
 
@@ -100,15 +105,33 @@ def resolve_component(
                 f"{key}.init_args.{name}: set from the data module when the pipeline builds "
                 f"{section.class_path} (its model_links); remove it"
             )
-    parser = _parser(cls, key, tuple(provided))
-    _check_groups(parser, section.init_args, key, section.class_path)
-    try:
-        namespace = parser.parse_object(dict(section.init_args))
-    except ArgumentError as err:
-        message = _one_line(str(err), parser, section.init_args, key, section.class_path)
-        raise ConfigError(message) from None
-    resolved = json.loads(parser.dump(namespace, format="json"))
+    with _null_is_a_value():
+        parser = _parser(cls, key, tuple(provided))
+        _check_groups(parser, section.init_args, key, section.class_path)
+        try:
+            namespace = parser.parse_object(dict(section.init_args))
+        except ArgumentError as err:
+            message = _one_line(str(err), parser, section.init_args, key, section.class_path)
+            raise ConfigError(message) from None
+        resolved = json.loads(parser.dump(namespace, format="json"))
     return ResolvedComponent(key, section.class_path, cls, resolved, tuple(provided), section.code)
+
+
+@contextmanager
+def _null_is_a_value() -> Iterator[None]:
+    """jsonargparse telling an argument left out from one set to ``null``, while it runs here.
+
+    By default jsonargparse marks an argument not given with None, so a ``null`` passes any
+    type and its dump leaves it out: the class was built with its default, silently. Its
+    ``unset_sentinel`` setting (jsonargparse 4.50) marks a left-out argument ``Unset``
+    instead, so ``null`` is type-checked as a value and kept. The setting is global to the
+    process; it is on only inside this block (not nested), around parsers built inside it.
+    """
+    set_parsing_settings(unset_sentinel=True)
+    try:
+        yield
+    finally:
+        set_parsing_settings(unset_sentinel=False)
 
 
 @dataclass(frozen=True)
@@ -257,8 +280,14 @@ def _one_line(
         value = _lookup(init_args, match[1])
         expected = re.match(r"Expected a <class '(\w+)'>", match[2])
         fix = f"set a value the argument's type in {class_path} allows"
-        if expected and value is not _MISSING:
-            kind = _TYPE_NAMES.get(expected[1], f"a {expected[1]}")
+        kind = _TYPE_NAMES.get(expected[1], f"a {expected[1]}") if expected else None
+        if value is None:  # null is a value, never the default: say how to get either
+            wanted = f"expected {kind}, " if kind else ""
+            return (
+                f"{where}.{match[1]}: {wanted}got null, which its type in {class_path} does "
+                "not allow (Optional[...] would); set a value, or leave it out for its default"
+            )
+        if kind and value is not _MISSING:
             return f"{where}.{match[1]}: expected {kind}, got {value!r}; {fix}"
         return f"{where}.{match[1]}: {' '.join(match[2].split())}; {fix}"
     return f"{where}: {' '.join(message.split())} ({class_path}); fix the value"
