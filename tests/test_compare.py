@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from reprotrain.compare.files import compare_files
 from reprotrain.compare.report import ComparisonReport
 from reprotrain.compare.weights import compare_weights
 from reprotrain.hashing import canonical_json
@@ -29,6 +30,7 @@ from reprotrain.trace.diff import (
     with_op_diagnosis,
 )
 from reprotrain.trace.tracefile import Trace, load_trace
+from tests.test_fingerprint import OTHER_KINDS, _made
 from tests.test_trace import (
     BATCH_SIZE,
     STEPS_PER_EPOCH,
@@ -186,6 +188,24 @@ def test_a_gradient_change_after_different_parameters_is_not_a_kernel() -> None:
     assert diff.record == "grads" and "kernel" not in diff.diagnosis
 
 
+def test_nan_losses_are_compared_as_bits() -> None:
+    nan_bits = np.array([np.nan]).view(np.int64)[0]
+    records = {**_synthetic().records, "loss": np.full(6, nan_bits)}
+    nans = replace(_synthetic(), loss_value=np.full(6, np.nan), records=records)
+    assert compare_traces(nans, replace(nans)).identical
+    diff = compare_traces(nans, _changed(nans, "loss", 4))  # another NaN payload from row 4
+    assert (diff.first_row, diff.record) == (4, "loss")
+
+
+def test_every_backward_loss_of_a_manual_step_counts_as_its_loss() -> None:
+    """Two manual traces whose first losses agree but a later backward loss does not."""
+    manual = replace(_synthetic(), backward_losses=np.arange(6, dtype=np.int64))
+    later = replace(manual, backward_losses=np.array([0, 1, 2, 9, 9, 9], dtype=np.int64))
+    assert compare_traces(manual, replace(manual)).identical
+    diff = compare_traces(manual, later)
+    assert (diff.first_row, diff.record) == (3, "loss")
+
+
 def test_different_step_counts_are_reported() -> None:
     a = _synthetic(6)
     short = _synthetic(4)
@@ -214,6 +234,104 @@ def test_compare_weights_finds_equal_perturbed_missing_and_reshaped_tensors() ->
     nudged = {"w": torch.nextafter(a["w"], torch.tensor(2.0))}
     one_ulp = compare_weights({"w": a["w"]}, nudged)[0]
     assert one_ulp.status == "different" and 0 < one_ulp.rel_l2 < 1e-6
+
+
+@pytest.mark.parametrize("kind", sorted(OTHER_KINDS))
+def test_sparse_quantized_and_nested_tensors_compare_by_their_parts(kind: str) -> None:
+    """The same value is equal; one value changed is different, by its magnitude (a
+    quantized tensor's dequantized) and the parts that differ."""
+    same = compare_weights({"t": _made(kind, 2.0)}, {"t": _made(kind, 2.0)})[0]
+    assert same.equal and (same.max_abs_diff, same.rel_l2) == (0.0, 0.0)
+    changed = compare_weights({"t": _made(kind, 2.0)}, {"t": _made(kind, 3.0)})[0]
+    assert changed.status == "different"
+    assert changed.max_abs_diff == pytest.approx(1.0, rel=1e-6)
+    assert "parts differing: " in changed.to_text()
+
+
+def test_another_sparsity_pattern_is_a_difference_with_no_magnitude() -> None:
+    other = torch.eye(3)
+    other[0, 1] = 1.0
+    diff = compare_weights({"adj": torch.eye(3).to_sparse()}, {"adj": other.to_sparse()})[0]
+    assert (diff.status, diff.max_abs_diff, diff.rel_l2) == ("different", None, None)
+    assert diff.to_text() == (
+        "adj: different (parts differing: indices, values; another sparsity pattern: no max |a-b|)"
+    )
+
+
+def test_uncoalesced_sparse_tensors_compare_by_their_value() -> None:
+    """Duplicates and order are how a COO tensor was built; the value is what is compared."""
+
+    def coo(indices: list[list[int]], values: list[float]) -> torch.Tensor:
+        return torch.sparse_coo_tensor(indices, values, (2, 2), check_invariants=True)
+
+    built = coo([[1, 0, 1], [0, 0, 0]], [1.0, 2.0, 3.0])
+    assert compare_weights({"s": built}, {"s": coo([[0, 1], [0, 0]], [2.0, 4.0])})[0].equal
+    other = coo([[0, 1], [0, 0]], [2.0, 5.0])
+    assert compare_weights({"s": built}, {"s": other})[0].max_abs_diff == 1.0
+
+
+def test_a_layout_or_dtype_change_is_a_difference() -> None:
+    a = {"l": torch.eye(2), "d": torch.ones(2)}
+    b = {"l": torch.eye(2).to_sparse(), "d": torch.ones(2, dtype=torch.float64)}
+    diffs = {d.name: d.to_text() for d in compare_weights(a, b)}
+    assert diffs == {
+        "l": "l: layout strided vs sparse_coo",
+        "d": "d: different (dtype torch.float32 vs torch.float64), max |a-b| 0, rel L2 0",
+    }
+
+
+def test_a_nan_with_the_same_bits_is_equal_and_another_payload_is_not() -> None:
+    nan = torch.tensor([float("nan"), 1.0])
+    same = compare_weights({"w": nan}, {"w": nan.clone()})[0]
+    assert same.to_text() == "w: equal, max |a-b| 0, rel L2 0"
+    payload = nan.view(torch.int32).clone()
+    payload[0] += 1
+    other = compare_weights({"w": nan}, {"w": payload.view(torch.float32)})[0]
+    assert other.to_text() == (
+        "w: different (equal values, other bits: a signed zero or a NaN payload), "
+        "max |a-b| 0, rel L2 0"
+    )
+    signed = compare_weights({"z": torch.tensor([0.0])}, {"z": torch.tensor([-0.0])})[0]
+    assert signed.status == "different"
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.bool, torch.bfloat16, torch.float8_e4m3fn, torch.complex32, torch.complex64,
+     torch.uint64, torch.float4_e2m1fn_x2, torch.bits8],
+    ids=lambda dtype: str(dtype).removeprefix("torch."),
+)  # fmt: skip
+def test_every_dtype_compares_by_its_bits_whatever_its_strides(dtype: torch.dtype) -> None:
+    raw = torch.arange(48, dtype=torch.uint8) % (2 if dtype == torch.bool else 255)
+    tensor = raw.view(dtype).reshape(2, -1).t()  # not contiguous
+    assert compare_weights({"t": tensor}, {"t": tensor.contiguous()})[0].equal
+    flipped = raw.clone()
+    flipped[0] ^= 1
+    other = compare_weights({"t": tensor}, {"t": flipped.view(dtype).reshape(2, -1).t()})[0]
+    assert other.status == "different"
+
+
+def test_a_meta_tensor_is_compared_by_dtype_and_shape() -> None:
+    meta = torch.empty(3, device="meta")
+    assert compare_weights({"m": meta}, {"m": torch.empty(3, device="meta")})[0].equal
+    wider = compare_weights({"m": meta}, {"m": torch.empty(3, device="meta").double()})[0]
+    assert wider.to_text() == (
+        "m: different (dtype torch.float32 vs torch.float64; meta tensors hold no data)"
+    )
+
+
+def test_trace_files_with_the_same_nan_losses_have_no_loss_row(tmp_path: Path) -> None:
+    """A trace of a diverged run holds NaN losses: the same bits are no difference."""
+    folders = (tmp_path / "a", tmp_path / "b")
+    nan = torch.full((3,), float("nan"), dtype=torch.float64)
+    paths = []
+    for folder, rng in zip(folders, (0, 1), strict=True):
+        folder.mkdir()
+        rngs = torch.arange(3, dtype=torch.int64) + rng
+        paths.append(_write_trace(folder / "trace.safetensors", loss_value=nan, rng=rngs))
+    verdict = compare_files("trace.safetensors", *paths, folders)
+    assert verdict.detail_lines() == ["rng: differs"]
 
 
 def test_environment_gpu_and_torch_changes_void_the_guarantee_but_a_commit_does_not() -> None:

@@ -38,8 +38,10 @@ from reprotrain.fingerprint import (
 )
 from reprotrain.trace.callback import DEFAULT_WEIGHTS_EVERY, TraceCallback
 from reprotrain.trace.diff import compare_traces
+from reprotrain.trace.finalstate import final_fingerprints
 from reprotrain.trace.rngstate import RngDigests, capture_rng, hash_bytes, rng_states
-from reprotrain.trace.tracefile import RECORDS, load_trace
+from reprotrain.trace.tracefile import FINAL_PARTS, RECORDS, load_trace
+from tests.test_fingerprint import OTHER_KINDS, _made
 
 STEPS_PER_EPOCH = 8
 BATCH_SIZE = 8
@@ -428,6 +430,7 @@ def test_same_seed_gives_byte_identical_traces(same_seed_runs: list[Path]) -> No
     assert np.array_equal(trace.weights_traced, rows % DEFAULT_WEIGHTS_EVERY == 0)
     assert (trace.records["params"][~trace.weights_traced] == 0).all()
     assert compare_traces(trace, load_trace(b)).identical
+    assert trace.backward_losses is None  # a column of manual optimization only
 
 
 def test_flushing_more_often_writes_the_same_bytes(same_seed_runs: list[Path]) -> None:
@@ -531,3 +534,143 @@ def test_rng_captures_fall_back_to_the_libraries_where_a_layout_is_unknown(
     assert captured[0] == random.getstate()
     assert rng_states(captured)["numpy"] == rng_states(capture_rng())["numpy"]
     assert captured[1][3] == np.random.get_state(legacy=True)[3] == 1
+
+
+# -- sparse tensors and manual optimization ---------------------------------------------
+
+
+class SparseAdjacency(TinyNet):
+    """TinyNet behind a graph adjacency kept as a sparse buffer (a GCN's ``adj``)."""
+
+    def __init__(self, neighbour: float = 1.0) -> None:
+        super().__init__()
+        ring = torch.eye(BATCH_SIZE) + neighbour * torch.diag(torch.ones(BATCH_SIZE - 1), 1)
+        self.register_buffer("adj", ring.to_sparse())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.sparse.mm(self.adj, x))
+
+
+def test_a_model_with_a_sparse_buffer_is_traced_to_the_end(tmp_path: Path) -> None:
+    """The final state covers the sparse buffer: another neighbour weight is another state."""
+    a, b = (load_trace(fit_traced(tmp_path / f"{n}.safetensors", make_model=SparseAdjacency))
+            for n in "ab")  # fmt: skip
+    buffers = FINAL_PARTS.index("buffers")
+    assert compare_traces(a, b).identical and a.final_state[0][buffers] != 0
+    other = fit_traced(tmp_path / "c.safetensors", make_model=lambda: SparseAdjacency(0.5))
+    assert load_trace(other).final_state[0][buffers] != a.final_state[0][buffers]
+
+
+class SparseBatches(TinyNet):
+    """TinyNet whose batches arrive with sparse inputs; from batch ``change_from`` one
+    input value is another."""
+
+    def __init__(self, change_from: int | None = None) -> None:
+        super().__init__()
+        self.change_from, self.batches = change_from, 0
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        x, y = batch
+        if self.change_from is not None and self.batches >= self.change_from:
+            x = x.clone()
+            x[0, 0] += 1.0
+        self.batches += 1
+        return x.to_sparse(), y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.to_dense())
+
+
+def test_sparse_batches_are_traced_from_their_parts(tmp_path: Path) -> None:
+    cpu = fit_traced(tmp_path / "cpu.safetensors", make_model=SparseBatches)
+    as_gpu = fit_traced(
+        tmp_path / "gpu.safetensors", make_model=SparseBatches, trace_class=DevicePathTrace
+    )
+    assert as_gpu.read_bytes() == cpu.read_bytes()
+    changed = fit_traced(tmp_path / "changed.safetensors", make_model=lambda: SparseBatches(3))
+    diff = compare_traces(load_trace(cpu), load_trace(changed))
+    assert (diff.first_row, diff.record) == (3, "batch")
+
+
+class TwoOptimizers(L.LightningModule):
+    """Manual optimization as Lightning's docs write it: two optimizers, a manual_backward
+    for each, and a training_step that returns nothing. From batch ``fault_at`` on, loss
+    number ``fault_in`` is scaled by unseeded noise (so are its gradients)."""
+
+    def __init__(self, fault_at: int | None = None, fault_in: int = 0) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.fault_at, self.fault_in = fault_at, fault_in
+        second = nn.Sequential(nn.Dropout(0.2), nn.Linear(8, 3))  # draws random numbers
+        self.heads = nn.ModuleList([nn.Linear(8, 3), second])
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        for index, (head, optimizer) in enumerate(zip(self.heads, self.optimizers(), strict=True)):
+            loss = F.cross_entropy(head(x), y)
+            if index == self.fault_in and self.fault_at is not None and batch_idx >= self.fault_at:
+                loss = loss * (1 + NOISE_SCALE * torch.rand((), generator=unseeded_generator()))
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(head.parameters(), lr=0.1) for head in self.heads]
+
+
+class FirstBackwardLoss(L.Callback):
+    """The first loss each batch gives backward, as a float."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_start(self, *_: Any) -> None:
+        self.first = True
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        if self.first:
+            self.losses.append(loss.item())
+            self.first = False
+
+
+@pytest.fixture(scope="module")
+def manual_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[float]]:
+    work, seen = tmp_path_factory.mktemp("manual"), FirstBackwardLoss()
+    a = fit_traced(work / "a.safetensors", make_model=TwoOptimizers, after=(seen,))
+    return a, fit_traced(work / "b.safetensors", make_model=TwoOptimizers), seen.losses
+
+
+def test_manual_optimization_records_its_backward_losses(
+    tmp_path: Path, manual_runs: tuple[Path, Path, list[float]]
+) -> None:
+    """The loss is the first backward loss; all of them are one more column, the same
+    bytes when the rows are built as on a GPU."""
+    a, b, first_losses = manual_runs
+    assert a.read_bytes() == b.read_bytes()
+    as_gpu = fit_traced(
+        tmp_path / "gpu.safetensors", make_model=TwoOptimizers, trace_class=DevicePathTrace,
+        flush_every=3,
+    )  # fmt: skip
+    assert as_gpu.read_bytes() == a.read_bytes()
+    trace = load_trace(a)
+    assert trace.loss_value.tolist() == first_losses and np.isfinite(first_losses).all()
+    assert trace.backward_losses is not None and len(set(trace.backward_losses)) == len(trace.step)
+
+
+@pytest.mark.parametrize("fault_in", [0, 1], ids=["first loss", "second loss"])
+def test_manual_optimization_finds_a_fault_at_its_step(
+    tmp_path: Path, manual_runs: tuple[Path, Path, list[float]], fault_in: int
+) -> None:
+    faulty = fit_traced(tmp_path / "f.safetensors", make_model=lambda: TwoOptimizers(3, fault_in))
+    diff = compare_traces(load_trace(manual_runs[0]), load_trace(faulty))
+    assert (diff.first_row, diff.record) == (3, "loss")
+
+
+def test_the_final_state_reads_sparse_quantized_and_nested_buffers() -> None:
+    def state(scale: float) -> dict[str, dict[str, torch.Tensor]]:
+        buffers = {kind: _made(kind, scale) for kind in OTHER_KINDS}
+        return {"parameters": {"w": torch.ones(2)}, "buffers": buffers, "optimizer": {}}
+
+    fingerprints_of = final_fingerprints(state(2.0))
+    assert final_fingerprints(state(2.0)) == fingerprints_of
+    assert final_fingerprints(state(3.0))[1] != fingerprints_of[1]  # the buffers part

@@ -16,6 +16,13 @@ sum is an integer below 2**24). :func:`host_bytes` copies a CPU tensor's bits
 and :func:`bytes_fingerprints` fingerprints many such copies at once: a
 trace keeps a small batch's bytes per step and fingerprints them per 64 steps
 (:mod:`reprotrain.trace.callback`). For files on disk use sha256 (:mod:`reprotrain.hashing`).
+
+A sparse, quantized or nested tensor's bits (:func:`tensor_bytes`) are a
+header (its layout, dtype and shape, and each part's name, dtype and shape,
+as UTF-8 text ending in a NUL byte) followed by the bits of each of its
+parts (:mod:`reprotrain.tensorparts`; a sparse COO tensor's as stored, not
+coalesced: no kernel sums duplicates), so its fingerprint covers its whole
+value. A dense tensor's bits, and so its fingerprint, are its elements' bytes alone.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+
+from reprotrain.tensorparts import is_dense, layout_name, shape_of, tensor_parts
 
 __all__ = [
     "bytes_fingerprints",
@@ -100,9 +109,24 @@ def _float_weights(w: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's raw bits as a flat int8 tensor (a view when it is contiguous)."""
+    """The tensor's raw bits as a flat int8 tensor (a view when it is contiguous).
+
+    A sparse, quantized or nested tensor's: a header, then its parts' bits (a copy).
+    """
+    if not is_dense(tensor):
+        return _parts_bytes(tensor)
     flat = tensor.detach().contiguous().reshape(-1)
     return (flat.view(torch.uint8) if flat.dtype == torch.bool else flat).view(torch.int8)
+
+
+def _parts_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A header naming the layout, dtype, shape and parts, then each part's bits, on its device."""
+    parts = tensor_parts(tensor)
+    lines = [f"{layout_name(tensor)} {tensor.dtype} {shape_of(tensor)}"]
+    lines += [f"{name} {part.dtype} {tuple(part.shape)}" for name, part in parts]
+    header = torch.frombuffer(bytearray("\n".join(lines).encode() + b"\0"), dtype=torch.int8)
+    device = parts[0][1].device if parts else header.device
+    return torch.cat([header.to(device), *(tensor_bytes(part).to(device) for _, part in parts)])
 
 
 def _large(data: torch.Tensor) -> torch.Tensor:
@@ -215,7 +239,9 @@ def host_fingerprints(tensors: Sequence[torch.Tensor]) -> list[int]:
     For CPU tensors of up to 1 MiB no torch kernel runs, only a few numpy
     calls: what a per-step trace of a small model on CPU wants. A tensor on
     another device is read there and its value copied back (a synchronisation).
+    A sparse, quantized or nested tensor is fingerprinted as its :func:`tensor_bytes`.
     """
+    tensors = [t if is_dense(t) else tensor_bytes(t) for t in tensors]
     small = [i for i, t in enumerate(tensors) if t.is_cpu and t.nbytes <= _SMALL_BYTES]
     values = _host_segments([_host_view(tensors[i]) for i in small]) if small else []
     by_index = dict(zip(small, values, strict=True))

@@ -14,6 +14,17 @@ CPU thread a 10M-parameter MLP's gradients and weights (80 MB) take about
 (``benchmarks/trace_overhead.py``). A divergence between weight rows still
 shows at once in the next step's loss.
 
+The loss is what ``training_step`` returned. Under manual optimization
+(``automatic_optimization = False``) a step that returns no loss records the
+first loss it gave ``manual_backward`` (read in ``on_before_backward``), and
+such a trace has one more column, ``backward_losses``: every loss the step
+gave backward (several with two optimizers) as one int64, their count ``h``
+then ``h = h * 3 + bits`` for each loss's float64 bits, in order (a
+non-scalar loss by its float64 sum). ``loss`` then holds the first loss's
+bits and value, ``backward_losses`` all of them; a step with no backward
+records NaN and a count of 0. Traces of automatic optimization have no such
+column: their bytes are as before it existed.
+
 Fingerprints (:mod:`reprotrain.fingerprint`) are exact integer hashes of the
 bits, computed on the tensors' device, kept there until every ``flush_every``
 rows. The same run gives the same trace file, byte for byte, whatever
@@ -85,6 +96,7 @@ from reprotrain.fingerprint import (
     tensor_bytes,
 )
 from reprotrain.hashing import safetensors_metadata
+from reprotrain.tensorparts import is_dense, shape_of
 from reprotrain.trace.finalstate import FINAL_PARTS, final_fingerprints, final_state
 from reprotrain.trace.rngstate import RngDigests, capture_rng, rng_states
 from reprotrain.trace.rows import (
@@ -93,6 +105,7 @@ from reprotrain.trace.rows import (
     Mixer,
     batch_leaves,
     chain,
+    chain_losses,
     float64_bits,
     float64_value,
     tensor_key,
@@ -165,6 +178,8 @@ class TraceCallback(Callback):
         self._gathered: list[dict[str, Any]] | None = None  # every rank's rows, at the end
         self._final: list[int] | None = None  # the final state's fingerprints, at the end
         self._merge_ranks = isinstance(trainer.strategy, WorldSizeInvariantStrategy)
+        self._manual = not pl_module.automatic_optimization
+        self._backward: list[torch.Tensor] = []  # float64 copies of this step's backward losses
         if self._restored is not None:  # resuming: keep the rows of the steps already run
             self._continue(self._restored)
             return
@@ -179,7 +194,7 @@ class TraceCallback(Callback):
         self._flush()
         rows = np.concatenate(self._flushed) if self._flushed else np.zeros((0, 0), np.int64)
         state = {
-            "settings": [self.detail, self.weights_every],
+            "settings": self._settings(),
             "names": list(self._names),
             "initial": self._initial,
             "rows": torch.from_numpy(rows),
@@ -189,15 +204,19 @@ class TraceCallback(Callback):
             state["final"] = torch.tensor(self._final, dtype=torch.int64)
         return state
 
+    def _settings(self) -> list[Any]:
+        """What a resumed fit must trace the same way; "manual" adds the backward_losses column."""
+        return [self.detail, self.weights_every, *(["manual"] if self._manual else [])]
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = state_dict
 
     def _continue(self, restored: dict[str, Any]) -> None:
         state = own_entry(restored["ranks"], "checkpoint holds the trace rows")
-        if state["settings"] != [self.detail, self.weights_every]:
+        if state["settings"] != self._settings():
             raise ValueError(
                 f"checkpoint traced with detail/weights_every {state['settings']}, "
-                f"this run uses {[self.detail, self.weights_every]}"
+                f"this run uses {self._settings()}"
             )
         if tuple(state["names"]) != self._names:
             raise ValueError("checkpoint traced other parameters than this model has")
@@ -211,6 +230,7 @@ class TraceCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._grads = None
+        self._backward = []
         if self._merge_ranks:
             strategy = trainer.strategy
             per_rank = trainer.accumulate_grad_batches
@@ -230,6 +250,8 @@ class TraceCallback(Callback):
     def _fingerprint_batch(self, batch: Any) -> torch.Tensor | int | KeptBatch | DeviceBatch:
         """The batch column, or a copy of a small batch's bits to fingerprint later."""
         leaves = batch_leaves(batch)
+        if not all(is_dense(t) for _, t in leaves):
+            return self._fingerprint_parts_batch(leaves)
         signature = tuple((p, t.dtype, t.shape, t.device) for p, t in leaves)
         mix, how = self._batch_mixers.get(signature) or self._batch_mixer(signature)
         tensors = [t for _, t in leaves]
@@ -237,6 +259,15 @@ class TraceCallback(Callback):
             return KeptBatch(mix, [host_bytes(t) for t in tensors])
         if how == "copy":
             return DeviceBatch(signature, torch.cat([tensor_bytes(t) for t in tensors]))
+        if self._on_cpu:
+            return mix.host(host_fingerprints(tensors))
+        return mix(fingerprints(tensors, self._device))
+
+    def _fingerprint_parts_batch(self, leaves: list[tuple[str, torch.Tensor]]) -> Any:
+        """The batch column of a batch holding a sparse, quantized or nested tensor: at once,
+        from its parts (:func:`~reprotrain.fingerprint.tensor_bytes`)."""
+        mix = Mixer([tensor_key(p, t.dtype, shape_of(t)) for p, t in leaves], self._device)
+        tensors = [t for _, t in leaves]
         if self._on_cpu:
             return mix.host(host_fingerprints(tensors))
         return mix(fingerprints(tensors, self._device))
@@ -261,6 +292,13 @@ class TraceCallback(Callback):
         self._batch_mixers[signature] = (mix, how)
         return self._batch_mixers[signature]
 
+    def on_before_backward(
+        self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor
+    ) -> None:
+        if self._manual:  # Lightning calls it for manual_backward too
+            loss = loss.detach().to(torch.float64, copy=True)
+            self._backward.append(loss.reshape(()) if loss.numel() == 1 else loss.sum())
+
     def on_before_optimizer_step(
         self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer
     ) -> None:
@@ -277,7 +315,7 @@ class TraceCallback(Callback):
         if self._merge_ranks:
             loss = trainer.strategy.micro_batch_loss  # Lightning's is divided by the rank's share
         if not isinstance(loss, torch.Tensor):  # manual optimization that returns nothing
-            loss = torch.tensor(float("nan"))
+            loss = self._backward[0] if self._backward else torch.tensor(float("nan"))
         if self._on_cpu:
             self._append_host_row(float64_value(loss))
         else:
@@ -285,7 +323,8 @@ class TraceCallback(Callback):
             # A copy, so a later in-place change of the loss tensor cannot reach the row.
             loss = loss.detach().reshape(()).to(self._device, torch.float64, copy=True)
             weights = self._fingerprint_weights() if self._traced else None
-            self._pending.append((self._batch_fp, loss, weights))
+            backward = chain_losses(self._backward, self._device) if self._manual else None
+            self._pending.append((self._batch_fp, loss, weights, backward))
         if len(self._pending) >= self.flush_every:
             self._flush()
         elif len(self._unhashed) >= _KEEP_ROWS:
@@ -294,6 +333,8 @@ class TraceCallback(Callback):
     def _append_host_row(self, loss: float) -> None:
         weights = self._fingerprint_weights() if self._traced else self._untraced_row
         row = [self._batch_fp, loss, *weights]  # the first two finished by _finish_rows
+        if self._manual:
+            row.append(chain_losses(self._backward, None))  # a Python int, as the row
         self._pending.append(row)
         self._kept.append(row)
 
@@ -340,10 +381,13 @@ class TraceCallback(Callback):
 
     def _device_rows(self, pending: list[Any]) -> torch.Tensor:
         """The kept device rows as one ``rows x width`` int64 tensor, built together."""
-        batches = self._batch_column([batch for batch, _, _ in pending])
-        losses = torch.stack([loss for _, loss, _ in pending]).view(torch.int64)
-        weights = torch.stack([self._untraced if w is None else w for _, _, w in pending])
-        return torch.cat([batches[:, None], losses[:, None], weights], dim=1)
+        batches = self._batch_column([batch for batch, *_ in pending])
+        losses = torch.stack([loss for _, loss, *_ in pending]).view(torch.int64)
+        weights = torch.stack([self._untraced if w is None else w for _, _, w, _ in pending])
+        columns = [batches[:, None], losses[:, None], weights]
+        if self._manual:
+            columns.append(torch.stack([backward for *_, backward in pending])[:, None])
+        return torch.cat(columns, dim=1)
 
     def _batch_column(self, values: list[Any]) -> torch.Tensor:
         """Each row's batch fingerprint: kept batches of one layout fingerprinted together."""
@@ -400,7 +444,8 @@ class TraceCallback(Callback):
     def _tensors(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
         """One rank's rows (a ``_local_state``) as the file's columns."""
         n = len(self._names)
-        empty = torch.zeros((0, 4 + (2 * n if self.detail == "full" else 0)), dtype=torch.int64)
+        per_param = 2 * n if self.detail == "full" else 0
+        empty = torch.zeros((0, 4 + per_param + int(self._manual)), dtype=torch.int64)
         rows = torch.cat([empty, state["rows"].reshape(-1, empty.shape[1])])
         width = len(_HOST_COLUMNS) + (len(self._rng_sources) if self.detail == "full" else 0)
         host = state["host"].reshape(-1, width)
@@ -409,6 +454,9 @@ class TraceCallback(Callback):
         tensors["weights_traced"] = tensors["weights_traced"].bool()
         tensors["loss_value"] = rows[:, 1].contiguous().view(torch.float64)
         if self.detail == "full":
-            tensors["grads_per_param"], tensors["params_per_param"] = rows[:, 4:].split(n, dim=1)
+            by_param = rows[:, 4 : 4 + per_param].split(n, dim=1)
+            tensors["grads_per_param"], tensors["params_per_param"] = by_param
             tensors["rng_per_source"] = host[:, len(_HOST_COLUMNS) :]
+        if self._manual:
+            tensors["backward_losses"] = rows[:, -1]
         return tensors

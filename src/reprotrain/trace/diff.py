@@ -11,6 +11,11 @@ loss, gradients, parameters. From that it names a likely cause:
   before the step: a non-deterministic kernel in forward or backward;
 * parameters first, with equal gradients: the optimizer.
 
+The loss of a manual-optimization trace covers every loss the step gave
+backward (its ``backward_losses`` column, where both traces have one). Every
+record is compared as bits (int64 fingerprints, the loss's float64 bits), so
+two NaN losses with the same bits are equal.
+
 Gradients and parameters are compared on the rows both traces traced them
 (``weights_every``); when a loss differs first after untraced rows, the
 diagnosis names the steps a backward or optimizer cause may hide in. It is a
@@ -217,6 +222,9 @@ def _compare_rank(a: Trace, b: Trace) -> TraceDiff:
     initial_equal = a.initial_params == b.initial_params
     base = {"steps_a": a.num_steps, "steps_b": b.num_steps, "initial_params_equal": initial_equal}
     cols_a, cols_b = _columns(a, common), _columns(b, common)
+    if a.backward_losses is not None and b.backward_losses is not None:
+        cols_a["loss"] = np.stack([cols_a["loss"], a.backward_losses[:common]], axis=1)
+        cols_b["loss"] = np.stack([cols_b["loss"], b.backward_losses[:common]], axis=1)
     differs = {name: _rows_differ(cols_a[name], cols_b[name]) for name in cols_a}
     traced = a.weights_traced[:common] & b.weights_traced[:common]
     differs["grads"] &= traced  # untraced rows hold 0 in both: nothing to compare

@@ -24,6 +24,7 @@ __all__ = [
     "Mixer",
     "batch_leaves",
     "chain",
+    "chain_losses",
     "float64_bits",
     "float64_value",
     "int64",
@@ -85,6 +86,23 @@ def chain(first: Any, then: Any) -> Any:
     if isinstance(first, torch.Tensor):
         return first * 3 + then
     return [int64(a * 3 + b) for a, b in zip(first, then, strict=True)]
+
+
+def chain_losses(losses: Sequence[torch.Tensor], device: torch.device | None) -> Any:
+    """0-d float64 losses as one int64: their count ``h``, then ``h = h * 3 + bits`` for each.
+
+    ``device`` None: a Python int (a CPU trace's row); else a 0-d tensor there, built
+    with no copy from the host, so the step does not wait for the device.
+    """
+    if device is None:
+        chained = len(losses)
+        for loss in losses:
+            chained = int64(chained * 3 + float64_bits(loss.item()))
+        return chained
+    chained_on_device = torch.full((), len(losses), dtype=torch.int64, device=device)
+    for loss in losses:
+        chained_on_device = chained_on_device * 3 + loss.to(device).view(torch.int64)
+    return chained_on_device
 
 
 def float64_value(loss: torch.Tensor) -> float:

@@ -4,7 +4,9 @@ One safetensors file (its metadata packed in one key, so identical rows give
 identical bytes): a row per training batch and rank with ``step``, ``epoch``,
 ``batch_idx``, ``weights_traced``, the int64 fingerprint of each record in
 :data:`RECORDS`, the loss's exact bits, and with ``detail="full"`` one
-fingerprint per parameter tensor and per RNG source. :func:`load_trace` reads
+fingerprint per parameter tensor and per RNG source; a trace of manual
+optimization adds ``backward_losses``, every loss a step gave backward as one
+int64 (:mod:`reprotrain.trace.callback`). :func:`load_trace` reads
 it into a read-only :class:`Trace`. This module imports no Lightning, so tools that only read
 traces (``reprotrain compare``) start fast.
 """
@@ -37,7 +39,10 @@ FORMAT, VERSION = "reprotrain.trace", 2
 READABLE_VERSIONS = (1, 2)
 #: A trace file's tensors: one row per batch (required, then optional), one per rank.
 _ROWS = ("step", "epoch", "batch_idx", "loss_value", "weights_traced", *RECORDS)
-_OPTIONAL_ROWS = ("rank", "grads_per_param", "params_per_param", "rng_per_source")
+_OPTIONAL_ROWS = (
+    *("rank", "grads_per_param", "params_per_param", "rng_per_source"),
+    "backward_losses",  # manual optimization only
+)
 _PER_RANK = ("initial_params", "final_state")
 #: Their dtypes: int64 where not named here.
 _DTYPES = {"loss_value": "float64", "weights_traced": "bool"}
@@ -73,6 +78,8 @@ class Trace:
     #: (:data:`FINAL_PARTS`), zeros for a trace written before fit
     #: ended; empty for a version 1 file.
     final_state: tuple[tuple[int, ...], ...] = ()
+    #: Manual optimization: every loss each step gave backward, as one int64 per row.
+    backward_losses: np.ndarray | None = None
 
     @property
     def num_steps(self) -> int:
