@@ -1,20 +1,26 @@
-"""The train stage's earlier outputs, kept aside by the env stage and put back if train fails.
+"""The train and evaluate stages' earlier outputs, kept aside by the env stage and put back
+if the stage fails.
 
 DVC deletes a stage's outputs before it runs the stage's command. Most bad
 input is refused by the ``env`` stage before that (:mod:`reprotrain.pipeline.contract`),
-but some only the train stage can see (a dataset that exists after the
-prepare stage ran, a link ``setup`` did not set); without this, such a refusal
-would leave the workspace without the last good run's weights, trace,
-metrics, curves and run record, while ``dvc.lock`` still names them.
+but some only the train or evaluate stage can see (a dataset that exists after the
+prepare stage ran, a link ``setup`` did not set, weights that do not fit the
+module); without this, such a refusal would leave the workspace without the
+last good run's weights, trace, metrics, curves and run record, or its test
+metrics, while ``dvc.lock`` still names them. ``dvc checkout`` would not bring
+back those ``dvc.yaml`` marks ``cache: false`` (``reports/metrics.json``).
 
 So, under ``dvc repro`` only (DVC sets ``DVC_STAGE`` and ``DVC_ROOT`` for a
 stage's command), the env stage, once its checks pass, hard-links the train
-stage's current outputs (as ``dvc.yaml`` names them) into
-``.dvc/tmp/reprotrain-kept/`` (a copy where no hard link can be made; DVC
-writes a new file rather than into an old one, so the link keeps the old
-bytes). A train stage that fails in any way moves each of its outputs that is
-missing back; one that succeeds drops what was kept for it. ``reprotrain
-train`` run by hand keeps and restores nothing.
+and evaluate stages' current outputs (as their command lines in ``dvc.yaml``
+name them) into ``.dvc/tmp/reprotrain-kept/`` (a copy where no hard link can
+be made; DVC writes a new file rather than into an old one, so the link keeps
+the old bytes). A stage that fails in any way moves each of its outputs that
+is missing back and notes so on its error (:func:`note_put_back`); one that
+succeeds drops what was kept for it. A failed evaluate after a train that
+succeeded puts back the metrics of the earlier weights, as ``dvc.lock``'s
+evaluate entry still records them. ``reprotrain train`` or ``evaluate`` run by
+hand keeps and restores nothing.
 """
 
 from __future__ import annotations
@@ -29,10 +35,20 @@ from pathlib import Path
 KEPT = Path(".dvc") / "tmp" / "reprotrain-kept"
 
 
+#: The start of the note a stage's error gets when it put the earlier outputs back; the
+#: CLI's one error line ends with it instead of pointing at ``dvc checkout``.
+PUT_BACK = "the earlier outputs are back in place: "
+
+
 def train_outputs(args: argparse.Namespace) -> list[Path]:
     """The files and folders the train stage writes (its output options, as parsed)."""
     named = (args.model, args.trace, args.metrics, args.plots, args.run_record)
     return [path for path in named if path is not None]
+
+
+def evaluate_outputs(args: argparse.Namespace) -> list[Path]:
+    """The file the evaluate stage writes (its ``--metrics``, as parsed)."""
+    return [args.metrics]
 
 
 def pipeline_file() -> Path | None:
@@ -47,7 +63,7 @@ def pipeline_file() -> Path | None:
 def kept_folder() -> Path | None:
     """Where the running stage's pipeline keeps outputs (one folder per ``dvc.yaml``); None
     outside ``dvc repro``. Paths in it are relative to the stage's working directory, which
-    env and train share (their ``wdir``)."""
+    env, train and evaluate share (their ``wdir``)."""
     file = pipeline_file()
     if file is None:
         return None
@@ -92,6 +108,13 @@ def put_back(outputs: Iterable[Path]) -> list[Path]:
             source.replace(output)
             restored.append(output)
     return restored
+
+
+def note_put_back(err: BaseException, restored: list[Path]) -> None:
+    """Say on ``err`` that ``restored`` are back (:data:`PUT_BACK`), as a note (PEP 678): a
+    traceback shows it on the line after the exception's, the CLI at the end of its one
+    error line; never inside the exception's own message (a ``KeyError`` quotes that)."""
+    err.add_note(PUT_BACK + ", ".join(str(path) for path in restored))
 
 
 def drop(outputs: Iterable[Path]) -> None:

@@ -13,7 +13,10 @@ Without ``--out`` the record is printed, with the git state added;
 module it names imported, type-checked and held to the contract
 (:mod:`reprotrain.pipeline.contract`), and with ``--raw-dir`` the raw data
 for the prepare stage (:mod:`reprotrain.pipeline.preflight`), so bad input
-stops ``dvc repro`` here, before DVC deletes any later stage's outputs.
+stops ``dvc repro`` here, before DVC deletes any later stage's outputs. Once
+they pass, under ``dvc repro`` it keeps the train and evaluate stages' current
+outputs aside, for either stage to put back if it still fails
+(:mod:`reprotrain.pipeline.kept`).
 
 The lock the installed packages must match is ``--lock``, else the file named
 by ``REPROTRAIN_LOCK``, else ``requirements-cpu.lock`` (relative to the working
@@ -147,7 +150,7 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         return explain_difference(*args.diff)
     params, note = stage_params(args.params, printing=args.out is None and args.raw_dir is None)
     record = whole_environment(args.lock, params)
-    train = pipeline_train_stage()
+    train = pipeline_stage("train")
     checked = ""
     if args.out is not None or args.raw_dir is not None:
         from reprotrain.pipeline.preflight import Sizes, check_raw_data, preflight
@@ -177,22 +180,22 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         shown = {**record, "git": git_state(Path.cwd())}
         return f"environment\n{note}" + json.dumps(shown, indent=2, sort_keys=True)
     atomic_write_text(args.out, canonical_json(bit_deciding(record)))
-    keep_train_outputs(train)
+    keep_earlier_outputs(train, pipeline_stage("evaluate"))
     if args.host_out is not None:
         atomic_write_text(args.host_out, canonical_json(record[HOST_KEY]))
     drift = "" if record["lock"]["exact"] else f"; {len(record['lock']['drift'])} packages drift"
     return f"recorded environment -> {args.out}{drift}{checked}"
 
 
-def pipeline_train_stage() -> argparse.Namespace | None:
-    """Under ``dvc repro``, the train stage's options as this pipeline's ``dvc.yaml`` writes
-    them; None outside ``dvc repro`` or in a pipeline without a train stage."""
+def pipeline_stage(stage: str) -> argparse.Namespace | None:
+    """Under ``dvc repro``, ``stage``'s options as this pipeline's ``dvc.yaml`` writes them;
+    None outside ``dvc repro`` or in a pipeline without that stage."""
     from reprotrain.pipeline.kept import pipeline_file
 
     if (dvc_yaml := pipeline_file()) is None:
         return None
     try:
-        return stage_arguments("train", dvc_yaml)
+        return stage_arguments(stage, dvc_yaml)
     except DataError:
         return None
 
@@ -212,18 +215,25 @@ def unread_data_note(recipe: Recipe, train: argparse.Namespace | None) -> str:
     )
 
 
-def keep_train_outputs(train: argparse.Namespace | None) -> None:
-    """Keep the ``train`` stage's outputs aside (:mod:`reprotrain.pipeline.kept`)."""
-    from reprotrain.pipeline.kept import keep, train_outputs
+def keep_earlier_outputs(
+    train: argparse.Namespace | None, evaluate: argparse.Namespace | None
+) -> None:
+    """Keep the ``train`` and ``evaluate`` stages' outputs aside, in one go (each keep drops
+    what was kept before) (:mod:`reprotrain.pipeline.kept`)."""
+    from reprotrain.pipeline.kept import evaluate_outputs, keep, train_outputs
 
-    if train is None:
+    outputs = [
+        *(train_outputs(train) if train is not None else []),
+        *(evaluate_outputs(evaluate) if evaluate is not None else []),
+    ]
+    if not outputs:
         return
     try:
-        keep(train_outputs(train))
-    except OSError as err:  # no room or no rights under .dvc/tmp: train still runs
+        keep(outputs)
+    except OSError as err:  # no room or no rights under .dvc/tmp: the stages still run
         print(
-            f"reprotrain env: warning: train's outputs not kept aside ({err}); a refusal by the "
-            "train stage would leave them deleted",
+            f"reprotrain env: warning: the train and evaluate stages' outputs not kept aside "
+            f"({err}); a refusal by either stage would leave them deleted",
             file=sys.stderr,
         )
 

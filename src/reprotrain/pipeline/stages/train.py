@@ -106,28 +106,18 @@ COMMAND = Command(
 def run(params: Params, args: argparse.Namespace) -> str:
     """Train; on any failure under ``dvc repro``, the earlier outputs DVC deleted are put back
     (:mod:`reprotrain.pipeline.kept`) and the error says so."""
-    from reprotrain.pipeline.kept import drop, put_back, train_outputs
+    from reprotrain.pipeline.kept import drop, note_put_back, put_back, train_outputs
 
     first = os.environ.get("LOCAL_RANK", "0") == "0"  # one process per machine restores
     try:
         done = _train(params, args)
     except BaseException as err:
         if first and (restored := put_back(train_outputs(args))):
-            _say_restored(err, restored)
+            note_put_back(err, restored)
         raise
     if first:
         drop(train_outputs(args))
     return done
-
-
-def _say_restored(err: BaseException, restored: list[Path]) -> None:
-    """Add to the one error line that the earlier outputs are back (a traceback is left be)."""
-    names = ", ".join(str(p) for p in restored)
-    if err.args and isinstance(err.args[0], str):
-        err.args = (
-            f"{err.args[0]} (the earlier outputs are back in place: {names})",
-            *err.args[1:],
-        )
 
 
 def _train(params: Params, args: argparse.Namespace) -> str:
