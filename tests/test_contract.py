@@ -26,7 +26,7 @@ from reprotrain.pipeline.contract import (
     check_recipe,
     unread_data_files,
 )
-from reprotrain.pipeline.data import SampleSeeded
+from reprotrain.pipeline.data import PipelineLoaders, SampleSeeded
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.recipe import resolve_recipe
 from tests.helpers import params_with
@@ -45,6 +45,11 @@ class Model(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Validating(Model):
+    def validation_step(self, batch: object, index: int) -> None:
+        raise AssertionError("validated with no validation split")
 
 
 class NoTestStep(Model):
@@ -92,6 +97,19 @@ class NoTestDataset(L.LightningDataModule):
     val_dataset = train_dataset
 
 
+class NoValidation(L.LightningDataModule):
+    """Train and test splits only, as many Lightning examples have."""
+
+    def __init__(self, batch_size: int = 4, num_workers: int = 0) -> None:
+        super().__init__()
+        self.batch_size, self.num_classes = batch_size, 2
+
+    def train_dataset(self) -> Dataset:
+        return TensorDataset(torch.zeros(8, 3), torch.zeros(8))
+
+    test_dataset = train_dataset
+
+
 class Pretrained(Model):
     """Loads pretrained weights from a file its __init__ names (a file outside --data would
     decide the bits unseen by the run ID)."""
@@ -133,6 +151,7 @@ def user_module() -> Iterator[None]:
         OnlyTrainLoader,
         Downloads,
         NoTestDataset,
+        NoValidation,
         LinksAbsent,
         Streaming,
         Pretrained,
@@ -181,7 +200,24 @@ def test_a_data_module_with_its_own_loaders_meets_the_contract() -> None:
 
 def test_a_data_module_with_neither_a_loader_nor_a_dataset_for_a_split_is_refused() -> None:
     message = _refusal(_params(data="OnlyTrainLoader", model_args={"num_classes": 2}))
-    assert "defines neither val_dataloader() nor val_dataset()" in message
+    assert "defines neither test_dataloader() nor test_dataset(); the evaluate stage" in message
+    assert "val_" not in message  # no validation split is no validation, not a refusal
+
+
+def test_a_data_module_without_a_validation_split_trains_without_validating() -> None:
+    params = _params(data="NoValidation", model_args={"num_classes": 2})
+    recipe = resolve_recipe(params)
+    check_recipe(params, recipe)  # passes: Lightning validates nothing without a loader
+    source = recipe.data.instantiate()
+    assert PipelineLoaders(source, seed=0).val_dataloader() == []
+    trainer = L.Trainer(
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    trainer.fit(Validating(num_classes=2), datamodule=PipelineLoaders(source, seed=0))
+    assert trainer.global_step == 2
+    # control: a data module with a validation split gets its loader
+    data = resolve_recipe(_params()).data.instantiate()
+    assert len(PipelineLoaders(data, seed=0).val_dataloader()) == 2
 
 
 def test_a_model_without_test_step_is_refused() -> None:

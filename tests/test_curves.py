@@ -3,10 +3,15 @@
 A module may log anything under any name; the pipeline's ``train_loss`` (the
 loss each step returned) stays its own, and a module's metric of that name is
 written as ``module/train_loss`` (the control: Lightning alone merges the two
-into one value, silently).
+into one value, silently). Under manual optimization ``train_loss`` is the mean of
+what each step passed to ``manual_backward``; a batch ``training_step`` skips
+(returns ``None``) has none (the control: Lightning alone writes the step
+before's value again).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import lightning as L
 import torch
@@ -35,7 +40,37 @@ class Logs(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(callbacks: list[L.Callback], logger: MemoryLogger) -> None:
+class TwoBackwards(Logs):
+    """Manual optimization with two ``manual_backward`` calls a step, as a GAN's two losses;
+    keeps what it passed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.passed: list[list[float]] = []
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        first = self.layer(batch[0]).pow(2).mean()
+        second = 3 * self.layer(batch[0]).abs().mean()
+        self.manual_backward(first)
+        self.manual_backward(second)
+        opt.step()
+        self.passed.append([first.item(), second.item()])
+
+
+class Skips(Logs):
+    """Returns None for the second batch of each epoch: Lightning's "skip this batch"."""
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor | None:
+        loss = super().training_step(batch, index)
+        return None if index == 1 else loss
+
+
+def _fit(
+    callbacks: list[L.Callback], logger: MemoryLogger, module: L.LightningModule | None = None
+) -> None:
     torch.manual_seed(0)
     loader = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
     trainer = L.Trainer(
@@ -43,7 +78,9 @@ def _fit(callbacks: list[L.Callback], logger: MemoryLogger) -> None:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0,
     )  # fmt: skip
-    trainer.fit(Logs(), loader, loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's note on a step that returned None
+        trainer.fit(module or Logs(), loader, loader)
 
 
 def test_the_modules_names_are_kept_and_its_own_train_loss_goes_under_module() -> None:
@@ -67,3 +104,31 @@ def test_without_the_rule_lightning_merges_two_train_losses_into_one() -> None:
     logger = MemoryLogger()
     _fit([MetricLevels(logger), Merged()], logger)
     assert logger.names(STEP) == ["module/train_loss"]  # one value of two: the other is lost
+
+
+def test_manual_optimization_logs_the_mean_of_what_each_step_passed_to_manual_backward() -> None:
+    logger, module = MemoryLogger(), TwoBackwards()
+    _fit([MetricLevels(logger), TrainLossLogger()], logger, module)
+    logged = [loss for _, loss in logger.rows("train_loss")]
+    assert len(logged) == len(module.passed) == 4
+    for loss, (first, second) in zip(logged, module.passed, strict=True):
+        assert abs(loss - (first + second) / 2) <= 1e-6 * loss
+        assert abs(loss - first) > 1e-3 * loss  # the mean, not the first
+
+
+def test_a_skipped_batch_has_no_train_loss_where_lightning_alone_repeats_the_step_before() -> None:
+    logger = MemoryLogger()
+    _fit([MetricLevels(logger), TrainLossLogger()], logger, Skips())
+    columns, rows = logger.table(STEP, first=("train_loss",))
+    assert columns == ["train_loss", "module/train_loss"] and [r[0] for r in rows] == [0, 1, 2, 3]
+    assert [row[1] == "" for row in rows] == [False, True, False, True]
+
+    class Logged(L.Callback):  # the loss logged whenever there is one, and nothing else done
+        def on_train_batch_end(self, trainer, module, outputs, batch, index) -> None:  # type: ignore[no-untyped-def]
+            if outputs.get("loss") is not None:
+                module.log("reprotrain/train_loss", outputs["loss"].detach())
+
+    control = MemoryLogger()
+    _fit([MetricLevels(control), Logged()], control, Skips())
+    repeated = control.rows("train_loss")
+    assert [step for step, _ in repeated] == [0, 1, 2, 3] and repeated[1][1] == repeated[0][1]

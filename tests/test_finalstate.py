@@ -84,6 +84,23 @@ def test_the_final_state_file_is_the_same_bytes_in_any_folder(tmp_path: Path) ->
     assert metadata["param_groups"][0][0]["lr"] == "0.1"
 
 
+def test_a_fit_without_an_optimizer_has_an_empty_optimizer_part(tmp_path: Path) -> None:
+    """``configure_optimizers`` may return None; Lightning then steps a stand-in optimizer
+    (``_MockOptimizer``) whose state_dict is empty."""
+    from lightning.pytorch.core.optimizer import _MockOptimizer
+
+    model, optimizer = _trained()
+    state = final_state(model, [_MockOptimizer()])
+    assert state["optimizer"] == {} and final_fingerprints(state)[2] == 0
+    assert state["parameters"].keys() == dict(model.named_parameters()).keys()
+    write_final_state(tmp_path / "final.safetensors", model, [_MockOptimizer()])
+    tensors, metadata = load_safetensors(tmp_path / "final.safetensors")
+    assert not any(name.startswith("optimizer/") for name in tensors)
+    assert metadata["param_groups"] == [[]]
+    # Control: with the real optimizer the part holds its state.
+    assert final_fingerprints(final_state(model, [optimizer]))[2] != 0
+
+
 class _LatePlant(L.Callback):
     """Adds ``amount`` to one gradient at the last step only: after the trace's last weights row."""
 

@@ -24,9 +24,15 @@ from reprotrain.hashing import sha256_file, sha256_state_dict
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import ResumableLoader
 from reprotrain.pipeline.recipe import resolve_recipe
-from reprotrain.pipeline.training import Checkpointing, fit
+from reprotrain.pipeline.training import (
+    Checkpointing,
+    find_resume_point,
+    fit,
+    refuse_another_worker_count,
+)
 from reprotrain.recipes.digits import ShiftedImages
 from reprotrain.resume import (
+    CheckpointError,
     InterruptCheckpoint,
     VerifiedCheckpointIO,
     latest_checkpoint,
@@ -198,6 +204,72 @@ def _interrupted_checkpoint(
     ckpt = latest_checkpoint(next((tmp_path / "ckpt").iterdir()))
     assert ckpt is not None
     return _train_argv(prepared, tmp_path, env_record), ckpt
+
+
+class Cool:
+    """An object a module's on_save_checkpoint stores (Lightning's docs' example)."""
+
+    def __init__(self) -> None:
+        self.note = "cool"
+
+
+def _write_with_sidecar(path: Path, checkpoint: dict) -> Path:
+    """``checkpoint`` as torch alone writes it, with a matching sidecar (an earlier version's)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, path)
+    sidecar(path).write_text(f"{sha256_file(path)}  {path.name}\n")
+    return path
+
+
+def test_a_checkpoint_weights_only_loading_refuses_is_not_kept_and_says_which_key(
+    tmp_path: Path,
+) -> None:
+    notes: list[str] = []
+    io = VerifiedCheckpointIO(note=notes.append)
+    state = {"epoch": 0, "state_dict": {"w": torch.ones(2)}, "reprotrain_run_id": "run"}
+    refused = tmp_path / "epoch=0.ckpt"
+    io.save_checkpoint({**state, "something_cool": Cool(), "weights": np.ones(3)}, refused)
+    assert not refused.exists() and not sidecar(refused).exists()
+    assert io.refused is not None and "\n" not in io.refused
+    assert f"checkpoint['something_cool'] holds a {__name__}.Cool" in io.refused
+    assert "checkpoint['weights'] holds a numpy.ndarray" in io.refused
+    assert "weights_only" in io.refused and "store plain values or tensors" in io.refused
+    io.save_checkpoint({**state, "something_cool": Cool()}, tmp_path / "epoch=1.ckpt")
+    assert len(notes) == 1 and "this run keeps no checkpoint" in notes[0]  # once a run
+    # Control: the same checkpoint with a tensor there is kept, and loads.
+    kept = tmp_path / "epoch=2.ckpt"
+    io.save_checkpoint({**state, "something_cool": torch.zeros(1)}, kept)
+    assert io.refused is None and sidecar(kept).is_file()
+    assert torch.equal(io.load_checkpoint(kept)["something_cool"], torch.zeros(1))
+
+
+def test_an_unloadable_checkpoint_found_at_start_is_one_line_naming_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    bad = _write_with_sidecar(run_dir / "epoch=0.ckpt", {"reprotrain_run_id": "run", "x": Cool()})
+    with pytest.raises(CheckpointError) as refused:
+        find_resume_point(run_dir, "run")
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith(f"{bad}: weights_only loading refuses it")
+    assert f"a {__name__}.Cool" in line and "delete it to train from the first step" in line
+    # Another run's unreadable file stops nothing: its worker count is simply unknown.
+    refuse_another_worker_count(tmp_path, "another run", {"key": "k", "num_workers": 2})
+    # Control: the same file with a tensor there is this run's resume point.
+    _write_with_sidecar(bad, {"reprotrain_run_id": "run", "x": torch.ones(1)})
+    assert find_resume_point(run_dir, "run") == bad
+
+
+def test_an_unloadable_checkpoint_of_this_run_stops_train_in_one_line(
+    interrupted: Path, prepared: Path, env_record: Path, tmp_path: Path
+) -> None:
+    argv, ckpt = _interrupted_checkpoint(interrupted, prepared, env_record, tmp_path)
+    checkpoint = torch.load(ckpt, weights_only=True)
+    _write_with_sidecar(ckpt, {**checkpoint, "something_cool": Cool()})
+    result = run_cli(*argv, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"{ckpt.name}: weights_only loading refuses it (a {__name__}.Cool)" in lines[0]
+    assert not (tmp_path / "model.safetensors").exists()
 
 
 def test_tampered_checkpoint_is_refused_unloaded(

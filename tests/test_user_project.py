@@ -354,12 +354,12 @@ def test_sigterm_mid_epoch_then_the_same_command_gives_the_uninterrupted_bits(
 REFUSED_BEFORE_DELETION = {
     "a data module with neither a loader nor a dataset for a split": (
         "wine/data.py",
-        "    def val_dataset(self)",
-        "    def validation_dataset(self)",
+        "    def test_dataset(self)",
+        "    def testing_dataset(self)",
         (
-            "data.class_path: wine.data.WineData defines neither val_dataloader() nor "
-            "val_dataset()",
-            "trains, validates and tests on all three splits",
+            "data.class_path: wine.data.WineData defines neither test_dataloader() nor "
+            "test_dataset()",
+            "the evaluate stage scores it",
         ),
     ),
     "a model without test_step": (

@@ -66,9 +66,26 @@ def atomic_write_safetensors(
     """Write torch ``tensors`` to ``final`` as safetensors, atomically.
 
     Serialised in memory first, so a storage error is a plain ``OSError`` with
-    its errno (``safetensors.save_file`` wraps it in its own exception).
+    its errno (``safetensors.save_file`` wraps it in its own exception). Each
+    name is written as its own tensor: tensors that share memory (tied weights,
+    one ``Parameter`` under two names in a ``state_dict``), which safetensors
+    refuses, are written from copies, the same bytes.
     """
     from safetensors.torch import save
 
-    contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
-    atomic_write_bytes(final, save(contiguous, metadata=metadata))
+    atomic_write_bytes(final, save(_own_memory(tensors), metadata=metadata))
+
+
+def _own_memory(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """``tensors``, contiguous, each in memory of its own: one that shares its storage with an
+    earlier one is copied (the others are the same objects, nothing copied)."""
+    seen: set[tuple[Any, int]] = set()
+    owned = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.contiguous()
+        storage = (tensor.device, tensor.untyped_storage().data_ptr())
+        if storage[1] and storage in seen:
+            tensor = tensor.clone()
+        seen.add(storage)
+        owned[name] = tensor
+    return owned

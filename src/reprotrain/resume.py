@@ -29,16 +29,29 @@ checkpoint atomically and then a ``<name>.sha256`` sidecar; it loads a file
 only when the sidecar matches, and always with ``weights_only=True``, so a
 truncated, corrupted or tampered checkpoint is refused before any byte of it
 is unpickled. :func:`latest_checkpoint` finds the newest complete one.
+
+``weights_only`` loading is kept whatever a module puts in its checkpoint, so
+the resume guarantee is refused by name where it cannot hold: a checkpoint
+that ``weights_only`` loading would refuse (an object a module's
+``on_save_checkpoint`` stores, as Lightning's docs show, or a numpy array) is
+loaded back as it is written, and when that fails it is not kept: no sidecar,
+the file removed, and :attr:`VerifiedCheckpointIO.refused` names the key and
+the type that made it fail (one ``note`` line, once per run). A stopped run
+then has no resume point and its rerun trains from the first step, to the
+same bits. Such a file found before a resume (one written by an earlier
+version) is refused in one line that names it (:func:`load_checkpoint_file`).
 """
 
 from __future__ import annotations
 
+import collections
 import io
 import math
+import pickle
 import random
 import re
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +118,17 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
     The hyperparameters a module saved are written as plain values (:func:`plain`): a
     resume never reads them, and an object among them would make the file one that
     ``weights_only`` refuses (the model's own ``state_dict`` holds its ``net``'s tensors).
+    Anything else that ``weights_only`` refuses is the module's own, read back by its
+    ``on_load_checkpoint``: that file is not kept (module doc), and ``note`` is called
+    once with why.
     """
+
+    def __init__(self, note: Callable[[str], None] | None = None) -> None:
+        super().__init__()
+        self.note = note
+        #: Why the latest checkpoint was not kept (None once one is kept again).
+        self.refused: str | None = None
+        self._noted = False
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -119,13 +142,22 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
         atomic_write_bytes(path, buffer.getvalue())
+        try:  # mapped, not read: the tensors' bytes stay on disk
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as err:
+            path.unlink()
+            self.refused = unloadable(checkpoint, err)
+            if self.note is not None and not self._noted:
+                self.note(f"this run keeps no checkpoint, so a stop starts over: {self.refused}")
+                self._noted = True
+            return
+        self.refused = None
         atomic_write_text(sidecar(path), f"{sha256_file(path)}  {path.name}\n")
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        verify_checkpoint(path)
-        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+        return load_checkpoint_file(path, map_location or "cpu")
 
     def remove_checkpoint(self, path: Any) -> None:
         super().remove_checkpoint(path)
@@ -155,8 +187,64 @@ def _checkpoint_order(path: Path) -> tuple[float, ...]:
 
 def checkpoint_run_id(path: str | Path) -> str | None:
     """The run ID a verified checkpoint was written for (``weights_only`` load)."""
+    return load_checkpoint_file(path).get(RUN_ID_KEY)
+
+
+def load_checkpoint_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """A verified checkpoint, loaded with ``weights_only=True``; :class:`CheckpointError` (one
+    line naming it) if it fails its sidecar or holds what that loading refuses."""
     verify_checkpoint(path)
-    return torch.load(path, map_location="cpu", weights_only=True).get(RUN_ID_KEY)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{path}: weights_only loading refuses it ({_refused_global(err)}), so no run can "
+            "resume from it (an earlier reprotrain kept such files); delete it to train from "
+            "the first step, to the same bits"
+        ) from None
+
+
+#: What ``weights_only`` loading rebuilds besides tensors (``torch.serialization``'s allowed
+#: globals), for :func:`unloadable` to point at what is not among them.
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.Tensor, torch.Size)
+_PLAIN_TORCH = (torch.dtype, torch.device, torch.layout, torch.memory_format)
+_CONTAINERS = (dict, collections.OrderedDict, collections.Counter, list, tuple, set)
+
+
+def unloadable(checkpoint: Mapping[str, Any], err: Exception) -> str:
+    """Why ``checkpoint`` cannot be kept: each entry ``weights_only`` loading refuses (up to 3),
+    by key and type, and what to store instead; ``err`` is that loading's error."""
+    found = [
+        f"checkpoint{key} holds a {type(value).__module__}.{type(value).__qualname__}"
+        for key, value in _objects(checkpoint, "", set())
+    ][:3]
+    what = " and ".join(found) if found else f"the checkpoint holds {_refused_global(err)}"
+    return (
+        f"{what}, which weights_only loading refuses (checkpoints load with weights_only=True); "
+        "store plain values or tensors there to resume (an object's fields for the object, "
+        "torch.from_numpy for an array)"
+    )
+
+
+def _objects(value: Any, key: str, seen: set[int]) -> Iterator[tuple[str, Any]]:
+    """``(key path, value)`` of each value under ``value`` that is not plain or a container."""
+    if isinstance(value, _PLAIN + _PLAIN_TORCH):
+        return
+    if type(value) not in _CONTAINERS:
+        yield key, value
+        return
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for name, item in items:
+        yield from _objects(item, f"{key}[{name!r}]", seen)
+
+
+def _refused_global(err: Exception) -> str:
+    """The global ``weights_only`` loading refused, from its error; else the error's gist."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+    return f"a {found.group(1)}" if found else str(err).splitlines()[0]
 
 
 class RandomStateCallback(L.Callback):

@@ -40,6 +40,11 @@ from reprotrain.pipeline.recipe import Recipe, linked_arguments
 
 #: The splits; for each, a data module defines ``<split>_dataloader`` or ``<split>_dataset``.
 SPLITS = ("train", "val", "test")
+#: What each split is for; a split left out entirely (val) is not validated, as in Lightning.
+NEEDED = {
+    "train": "the train stage trains on it",
+    "test": "the evaluate stage scores it with the metrics test_step logs",
+}
 #: Arguments of a data module that gives datasets, with which the pipeline builds its loaders,
 #: and their defaults (None: required; no guarantee needs workers, so none means none).
 LOADER_ARGUMENTS: dict[str, int | None] = {"batch_size": None, "num_workers": 0}
@@ -72,10 +77,11 @@ def check_recipe(params: Params, recipe: Recipe) -> None:
         if defines_own_loader(data.cls, split):
             continue
         if not callable(getattr(data.cls, f"{split}_dataset", None)):
+            if split not in NEEDED:  # no validation, as Lightning runs none without a loader
+                continue
             raise ConfigError(
                 f"data.class_path: {data.class_path} defines neither {split}_dataloader() nor "
-                f"{split}_dataset(); the pipeline trains, validates and tests on all three "
-                f"splits ({DOCS})"
+                f"{split}_dataset(); {NEEDED[split]}: define one of them ({DOCS})"
             )
         gives_datasets.append(split)
     if gives_datasets and not defines_own_loader(data.cls, "train"):

@@ -15,6 +15,20 @@ apart (Lightning would merge two ``self.log`` calls of one name from two hooks,
 silently); the rule: a module's metric named like one the pipeline writes
 (:data:`PIPELINE_NAMES`) is written as ``module/<name>``.
 
+The pipeline's ``train_loss`` of a step (:class:`TrainLossLogger`) is the loss
+``training_step`` returned; under manual optimization
+(``automatic_optimization = False``, where ``training_step`` need return
+nothing) the mean of the losses the step passed to ``manual_backward``, in the
+order passed (one call: that loss; a generator's and a discriminator's loss:
+their mean). A step with no loss, a batch ``training_step`` skipped by
+returning ``None`` (Lightning's "skip this batch") or a manual step that
+called no ``manual_backward``, logs none: its ``train_loss`` cell in
+``train_loss.csv`` is empty (not the step before's value, which Lightning would
+flush again), and the step has no row when nothing else is logged per step.
+World-size-invariant training needs a loss from every
+micro-batch, so it refuses a skipped batch by name (and the train stage
+refuses manual optimization before it starts).
+
 :class:`CurveCheckpoint` keeps the rows in checkpoints, so a resumed run's
 curves are those of an uninterrupted one.
 """
@@ -31,7 +45,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from torchmetrics import Metric
 
 from reprotrain.distributed.ddp import gather_from_ranks, own_entry
-from reprotrain.distributed.worldsize import step_loss
+from reprotrain.distributed.worldsize import WorldSizeInvariantStrategy, step_loss
+from reprotrain.pipeline.errors import DataError
 
 #: The pipeline's own curve: the loss each training step returned.
 TRAIN_LOSS = "train_loss"
@@ -189,30 +204,37 @@ class CurveCheckpoint(_CheckpointPlace):
     version the locks pin: ``fit_loop.epoch_loop._results``).
     """
 
-    def __init__(self, logger: MemoryLogger) -> None:
+    def __init__(self, logger: MemoryLogger, losses: TrainLossLogger) -> None:
         super().__init__()
         self.logger = logger
-        self._pending: tuple[int, float] | None = None
+        self.losses = losses
+        #: The latest batch's step index and its train_loss (None: a batch with no loss).
+        self._pending: tuple[int, float | None] | None = None
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
         batch_idx: int,
     ) -> None:  # fmt: skip
-        if not (isinstance(outputs, Mapping) and "loss" in outputs):
+        # The index Lightning flushes this batch's step rows under (Lightning 2.6: the batches
+        # that stepped so far), which global_step - 1 is not with two manual optimizers.
+        index = trainer.fit_loop.epoch_loop._batches_that_stepped
+        local = self.losses.local_loss(pl_module, outputs)
+        if local is None:
+            self._pending = (index, None)
             return
-        loss = outputs["loss"].detach().clone()
+        loss = local.clone()
         invariant_loss = step_loss(trainer)  # world-size invariant mode
         if invariant_loss is not None:
             loss = invariant_loss
         elif trainer.world_size > 1:  # the ranks' mean, as `self.log(..., sync_dist=True)` takes it
             torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.SUM)
             loss = loss / trainer.world_size
-        self._pending = (trainer.global_step - 1, float(loss))
+        self._pending = (index, float(loss))
 
     def state_dict(self) -> dict[str, Any]:
         kept = MemoryLogger()
         kept.restore(self.logger.rows_held)
-        if self._pending is not None:
+        if self._pending is not None and self._pending[1] is not None:
             kept.add(STEP, self._pending[0], {LOGGED_LOSS: self._pending[1]})
         if self._trainer is not None:
             results = self._trainer.fit_loop.epoch_loop._results
@@ -228,24 +250,57 @@ class CurveCheckpoint(_CheckpointPlace):
 
 
 class TrainLossLogger(L.Callback):
-    """Logs ``train_loss``: the loss each training step returned, for any module.
+    """Logs ``train_loss``: the loss of each training step, for any module (module doc).
 
-    Under DDP the ranks' mean (each rank's own loss is in the trace); in
-    world-size-invariant mode the step's loss over every micro-batch, added
-    by the fixed tree (:func:`~reprotrain.distributed.worldsize.step_loss`),
-    logged once the step's last backward ran. Logged as :data:`LOGGED_LOSS`,
-    written as ``train_loss`` (a module's own ``train_loss`` becomes
-    ``module/train_loss``, docs/your-model.md).
+    What ``training_step`` returned, or under manual optimization the mean of the
+    losses passed to ``manual_backward`` in the step (Lightning calls
+    ``on_before_backward`` for each); none for a skipped batch. Under DDP the
+    ranks' mean (each rank's own loss is in the trace); in world-size-invariant
+    mode the step's loss over every micro-batch, added by the fixed tree
+    (:func:`~reprotrain.distributed.worldsize.step_loss`), logged once the
+    step's last backward ran. Logged as :data:`LOGGED_LOSS`, written as
+    ``train_loss`` (a module's own ``train_loss`` becomes ``module/train_loss``,
+    docs/your-model.md).
     """
+
+    def __init__(self) -> None:
+        self._backward: list[torch.Tensor] = []  # this step's manual_backward losses
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._backward = []
+
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
+    ) -> None:
+        if not pl_module.automatic_optimization:
+            self._backward.append(loss.detach().mean())
+
+    def local_loss(self, pl_module: L.LightningModule, outputs: Any) -> torch.Tensor | None:
+        """This rank's loss of the batch that just ended, detached; None if it has none."""
+        if not pl_module.automatic_optimization:
+            # sum() starts from 0 and one division by the count: one loss is itself, to the bit
+            return sum(self._backward) / len(self._backward) if self._backward else None
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
+        return loss.detach() if isinstance(loss, torch.Tensor) else None
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
         batch_idx: int,
     ) -> None:  # fmt: skip
-        if step_loss(trainer) is not None or not isinstance(outputs, Mapping):
+        loss = self.local_loss(pl_module, outputs)
+        if isinstance(trainer.strategy, WorldSizeInvariantStrategy):
+            if loss is None:
+                raise DataError(_skipped_under_invariance(pl_module, trainer, batch_idx))
+            return  # logged once per step, in on_before_optimizer_step
+        if loss is not None:
+            pl_module.log(LOGGED_LOSS, loss, on_step=True, on_epoch=False, sync_dist=True)
             return
-        loss = outputs["loss"].detach()
-        pl_module.log(LOGGED_LOSS, loss, on_step=True, on_epoch=False, sync_dist=True)
+        # Lightning flushes a step value again at each later step of the epoch that does not
+        # log it (Lightning 2.6, the version the locks pin): drop it, so a batch with no loss
+        # has no train_loss rather than the one before.
+        logged = trainer.fit_loop.epoch_loop._results.get(f"on_train_batch_end.{LOGGED_LOSS}")
+        if logged is not None:
+            logged._forward_cache = None
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
@@ -253,6 +308,16 @@ class TrainLossLogger(L.Callback):
         loss = step_loss(trainer)
         if loss is not None:
             pl_module.log(LOGGED_LOSS, loss, on_step=True, on_epoch=False)
+
+
+def _skipped_under_invariance(module: L.LightningModule, trainer: L.Trainer, batch: int) -> str:
+    name = type(module).__name__
+    return (
+        f"train.world_size_invariant: true, but {name}.training_step returned no loss for "
+        f"micro-batch {batch} of epoch {trainer.current_epoch} (a skipped batch): the mode "
+        "adds every micro-batch's gradient and loss by one fixed tree, so each must have one; "
+        "return a loss for every batch, or set train.world_size_invariant: false"
+    )
 
 
 class EpochAccumulators(_CheckpointPlace):

@@ -179,7 +179,11 @@ class PipelineLoaders(L.LightningDataModule):
         sampler = ShardSampler(len(dataset), rank, ranks, self.train_generator, shuffle=shuffle)
         return self._loader(dataset, chosen, sampler=sampler, drop_last=drop_last)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list:
+        """The validation loader; none (an empty list: Lightning validates nothing) when the
+        data module defines neither ``val_dataloader`` nor ``val_dataset``."""
+        if self.own("val") is None and not callable(getattr(self.source, "val_dataset", None)):
+            return []
         return self._evaluation_loader("val")
 
     def test_dataloader(self) -> DataLoader:

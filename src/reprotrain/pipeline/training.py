@@ -9,7 +9,12 @@ in the stage's import closure, :func:`reprotrain.provenance.identity.source_file
 checks them against the contract (:mod:`reprotrain.pipeline.contract`) and fits them,
 checkpointing with the full random state when asked (:class:`Checkpointing`);
 Ctrl-C and SIGTERM stop it after the batch on every rank, keeping the last
-checkpoint. :func:`write_outputs` writes the weights, metrics and curves
+checkpoint (none where the module puts in it what ``weights_only`` loading
+refuses: the stop's one line names the key, :mod:`reprotrain.resume`). Tied
+weights, manual optimization, skipped batches and no optimizer train as
+Lightning runs them (the ``train_loss`` they give: :mod:`reprotrain.pipeline.curves`);
+world-size invariance refuses manual optimization by name before the first
+step. :func:`write_outputs` writes the weights, metrics and curves
 atomically, with nothing in them that is not decided by the training (no time,
 path, host name or logger version folder).
 
@@ -38,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -78,6 +82,7 @@ from reprotrain.resume import (
     VerifiedCheckpointIO,
     checkpoint_run_id,
     latest_checkpoint,
+    load_checkpoint_file,
 )
 
 #: Names the optimizer steps to record ("3" or "3-5"); the recorder's WINDOW_VARIABLE.
@@ -86,6 +91,8 @@ RECORD_OPS_VARIABLE = "REPROTRAIN_RECORD_OPS"
 RECORDER_MODULE = "reprotrain.ops.recorder"
 #: The checkpoint entry with the worker count where it decides the bits (workers_stamp).
 WORKERS_KEY = "reprotrain_workers"
+#: How Lightning 2.6 (the version the locks pin) refuses a skipped batch on several ranks.
+LIGHTNING_NO_SKIP = "Skipping the `training_step` by returning None in distributed training"
 
 
 @dataclass(frozen=True)
@@ -153,11 +160,12 @@ def refuse_another_worker_count(checkpoints: Path, identity: str, workers: Any) 
 
 
 def _workers_stamp_of(run_dir: Path) -> tuple[Path | None, dict[str, Any] | None]:
-    """The newest verified checkpoint in ``run_dir`` and its workers stamp (or Nones)."""
+    """The newest verified checkpoint in ``run_dir`` and its workers stamp (or Nones); another
+    run's file that cannot be read (not even by ``weights_only`` loading) has none."""
     with contextlib.suppress(CheckpointError, OSError):
         newest = latest_checkpoint(run_dir)
         if newest is not None:
-            stamp = torch.load(newest, map_location="cpu", weights_only=True).get(WORKERS_KEY)
+            stamp = load_checkpoint_file(newest).get(WORKERS_KEY)
             return newest, stamp if isinstance(stamp, dict) else None
     return None, None
 
@@ -169,6 +177,16 @@ class Fitted:
     module: L.LightningModule
     logger: MemoryLogger
     linked: dict[str, Any]
+    #: Epochs trained, as the trainer counts them (those before a resume included).
+    epochs: int
+    #: Training steps run, the step axis of the train_loss curve: a skipped batch is one, and
+    #: so is an optimizer step over several accumulated micro-batches.
+    steps: int
+
+
+#: The Trainer's root folder inside the checkpoints folder: what the module's own callbacks
+#: write by default (a ModelCheckpoint with no dirpath: ``lightning/memory/0/checkpoints``).
+LIGHTNING_ROOT = "lightning"
 
 
 def fit(
@@ -194,6 +212,8 @@ def fit(
     invariant = cfg.world_size_invariant
     source, module, linked = build(recipe)
     check_datasets(source)
+    if invariant and not module.automatic_optimization:
+        raise DataError(_manual_under_invariance(recipe))
     datamodule = PipelineLoaders(
         source,
         seed=params.seed,
@@ -202,12 +222,16 @@ def fit(
     )
     if problem := order_refusal(params, datamodule.own("train")):
         raise DataError(problem)
+    # A ModelCheckpoint of the module's own with no dirpath writes under the Trainer's root:
+    # beside the pipeline's checkpoints (git-ignored), not in the repository's root
+    root = checkpointing.directory.parent / LIGHTNING_ROOT if checkpointing else None
     if (kept := datamodule.kept_order) is not None:
         checkpointing = None  # its order cannot be resumed: every run starts from the first step
     strategy, accumulate = _strategy(params, datamodule)
     logger = MemoryLogger(training_metrics=not invariant)
     resume_from = checkpointing.resume_from if checkpointing else None
-    chosen: list[L.Callback] = [MetricLevels(logger), TrainLossLogger(), *_op_recorder()]
+    losses = TrainLossLogger()
+    chosen: list[L.Callback] = [MetricLevels(logger), losses, *_op_recorder()]
     if ddp or invariant:
         identity = checkpointing.run_id if checkpointing else None
         facts = {"run_id": identity, "resume_from": resume_from and resume_from.name}
@@ -215,7 +239,8 @@ def fit(
     chosen += callbacks
     if checkpointing is not None:
         every = cfg.checkpoint_every_n_epochs
-        chosen += _checkpoint_callbacks(every, checkpointing, datamodule, logger)
+        chosen += _checkpoint_callbacks(every, checkpointing, datamodule, logger, losses)
+    checkpoint_io = VerifiedCheckpointIO(note=_note)
     interactive = quiet_lightning()
     trainer = L.Trainer(
         accelerator=cfg.accelerator,
@@ -229,11 +254,12 @@ def fit(
         logger=logger,
         log_every_n_steps=1,
         callbacks=chosen,
-        plugins=[VerifiedCheckpointIO()],
+        plugins=[checkpoint_io],
         enable_checkpointing=checkpointing is not None,
         enable_model_summary=False,
         enable_progress_bar=interactive,
         num_sanity_val_steps=0,
+        default_root_dir=root,
         **settings.trainer_flags(),
     )
     try:
@@ -247,12 +273,39 @@ def fit(
             if kept is not None:
                 raise Interrupted(_not_resumable(kept, got["signal"])) from None
             directory = checkpointing.directory if checkpointing else None
-            raise Interrupted(_interrupted(directory, got["signal"])) from None
+            refused = checkpoint_io.refused
+            raise Interrupted(_interrupted(directory, got["signal"], refused)) from None
+        if LIGHTNING_NO_SKIP in str(err):
+            raise DataError(_skipped_on_ranks(recipe, trainer.world_size)) from None
         explained = explain_nondeterministic_error(err, user_frame(err.__traceback__))
         if explained is None:
             raise
         raise explained from None
-    return Fitted(module, logger, linked)
+    steps = trainer.fit_loop.epoch_loop._batches_that_stepped  # Lightning 2.6, as the locks pin
+    return Fitted(module, logger, linked, epochs=trainer.current_epoch, steps=steps)
+
+
+def _manual_under_invariance(recipe: Recipe) -> str:
+    return (
+        f"train.world_size_invariant: true, but model.class_path: {recipe.model.class_path} sets "
+        "automatic_optimization = False: the mode cuts each batch into micro-batches and adds "
+        "their gradients by one fixed tree through Lightning's automatic optimization, which "
+        "manual optimization steps around; use automatic optimization, or set "
+        "train.world_size_invariant: false"
+    )
+
+
+def _skipped_on_ranks(recipe: Recipe, world_size: int) -> str:
+    return (
+        f"model.class_path: {recipe.model.class_path}: training_step returned None (a skipped "
+        f"batch) on {world_size} ranks, which Lightning refuses in distributed training (the "
+        "ranks must step together); return a loss for every batch, or train on one process"
+    )
+
+
+def _note(message: str) -> None:
+    """One line on stderr while training goes on (a checkpoint not kept, and why)."""
+    print(f"reprotrain: note: {message}", file=sys.stderr, flush=True)
 
 
 def quiet_lightning() -> bool:
@@ -266,6 +319,8 @@ def quiet_lightning() -> bool:
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     # Validation covers the whole split on every rank (see data.py): nothing to all-reduce.
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('(val|test)_")
+    # A data module with no validation split gets an empty list (data.py): nothing to validate
+    warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
     interactive = sys.stderr.isatty() and not os.environ.get("CI")
     if not interactive:
         logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -289,6 +344,7 @@ def _checkpoint_callbacks(
     checkpointing: Checkpointing,
     datamodule: PipelineLoaders,
     logger: MemoryLogger,
+    losses: TrainLossLogger,
 ) -> list[L.Callback]:
     """Verified checkpoints with the random state and the curves so far, and one on Ctrl-C."""
     generators = {"train_loader": datamodule.train_generator}
@@ -300,7 +356,7 @@ def _checkpoint_callbacks(
             restore=random_state,
             stamp={WORKERS_KEY: checkpointing.workers} if checkpointing.workers else None,
         ),
-        CurveCheckpoint(logger),
+        CurveCheckpoint(logger, losses),
         EpochAccumulators(),
         ModelCheckpoint(
             dirpath=checkpointing.directory,
@@ -358,13 +414,21 @@ def _sigint_as_sigterm() -> Iterator[dict[str, str]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _interrupted(checkpoint_dir: Path | None, name: str) -> str:
+def _interrupted(checkpoint_dir: Path | None, name: str, refused: str | None = None) -> str:
+    """The stop's one line; ``refused``: why the latest checkpoint was not kept, if it was not."""
     kept = None
     if checkpoint_dir is not None and checkpoint_dir.is_dir():
         kept = latest_checkpoint(checkpoint_dir)
-    where = (
-        f"its last checkpoint, {kept.name}, is kept" if kept else "no checkpoint was written yet"
-    )
+    if refused and kept is None:
+        return (
+            f"training interrupted ({name}); no checkpoint kept: {refused}. "
+            "Rerun to train from the first step, to the same bits"
+        )
+    if kept:
+        later = f" (a later one was not: {refused})" if refused else ""
+        where = f"its last checkpoint, {kept.name}, is kept{later}"
+    else:
+        where = "no checkpoint was written yet"
     return (
         f"training interrupted ({name}); {where}: rerun the same "
         "command or `dvc repro` to resume, with the same bits as an uninterrupted run"
@@ -387,10 +451,15 @@ def write_outputs(
 ) -> dict[str, Path]:
     """Weights (with the params and determinism in force), metrics and curve CSVs, atomically.
 
-    The weights file holds the module's whole ``state_dict`` and, as metadata,
-    the params with ``model`` and ``data`` fully resolved (the linked
-    arguments included): what evaluate needs to rebuild the module, and
-    nothing of one recipe's own.
+    The weights file holds the module's whole ``state_dict``, each name as its
+    own tensor (tied weights, as nanoGPT ties its embedding and head, are
+    written once per name and tie again when evaluate loads them strictly into
+    a fresh instance), and, as metadata, the params with ``model`` and ``data``
+    fully resolved (the linked arguments included): what evaluate needs to
+    rebuild the module, and nothing of one recipe's own. The metrics hold the
+    epochs and steps trained (as the trainer counts them, whatever was
+    logged), the last ``train_loss`` (absent if no step had a loss) and the
+    last value of each metric the module logged.
     """
     state = fitted.module.state_dict()
     weights = {name: t.detach().cpu().contiguous() for name, t in state.items()}
@@ -411,9 +480,9 @@ def write_outputs(
     epoch_names, epoch_rows = logger.table(EPOCH)
     last = {name: rows[-1][1] for name in epoch_names if (rows := logger.rows(name, EPOCH))}
     metrics = {
-        "epochs": len(epoch_rows),
-        "steps": len(train_loss),
-        TRAIN_LOSS: train_loss[-1][1],
+        "epochs": fitted.epochs,
+        "steps": fitted.steps,
+        **({TRAIN_LOSS: train_loss[-1][1]} if train_loss else {}),
         **{name: logger.rows(name)[-1][1] for name in step_names if name != TRAIN_LOSS},
         **last,
     }

@@ -4,8 +4,11 @@
 parts, each a flat name -> tensor map: ``parameters`` (all of them, frozen
 ones too), ``buffers`` (BatchNorm's running statistics and counters) and
 ``optimizer`` (``<optimizer>/<param index>/<key>``, e.g. ``0/3/exp_avg``;
-Adam's ``step`` included). :func:`final_fingerprints` reduces each part to
-one int64 (:mod:`reprotrain.fingerprint`, keyed by name, dtype and shape), what
+Adam's ``step`` included; empty where ``configure_optimizers`` returned
+``None``, which Lightning allows: its stand-in optimizer keeps no state).
+:func:`final_fingerprints` reduces each part to
+one int64 (:mod:`reprotrain.fingerprint`, keyed by name, dtype and shape; a
+sparse, quantized or nested tensor by its parts), what
 :class:`~reprotrain.trace.callback.TraceCallback` writes at the end of fit so a
 divergence after its last sampled step, or in a buffer or optimizer state,
 still shows.
@@ -33,6 +36,7 @@ from torch.optim import Optimizer
 from reprotrain.atomic import atomic_write_safetensors
 from reprotrain.fingerprint import fingerprints, host_fingerprints
 from reprotrain.hashing import safetensors_metadata
+from reprotrain.tensorparts import shape_of
 from reprotrain.trace.rows import Mixer, leaves, tensor_key
 from reprotrain.trace.tracefile import FINAL_PARTS
 
@@ -47,7 +51,8 @@ def final_state(
     """Parameters, buffers and optimizer state tensors, each part a flat name -> tensor map."""
     optimizer: dict[str, torch.Tensor] = {}
     for index, opt in enumerate(optimizers):
-        for path, tensor in leaves(opt.state_dict()["state"], str(index)):
+        # Lightning's stand-in for no optimizer (_MockOptimizer) has an empty state_dict
+        for path, tensor in leaves(opt.state_dict().get("state", {}), str(index)):
             optimizer[path.replace(".", "/")] = tensor
     return {
         "parameters": {name: p.detach() for name, p in module.named_parameters()},
@@ -67,7 +72,7 @@ def final_fingerprints(state: dict[str, dict[str, torch.Tensor]]) -> list[int]:
         else:  # one device, one copy of the fingerprints back
             device = next(t.device for t in tensors if not t.is_cpu)
             values = fingerprints([t.to(device) for t in tensors], device).tolist()
-        keys = [tensor_key(n, t.dtype, tuple(t.shape)) for n, t in named]
+        keys = [tensor_key(n, t.dtype, shape_of(t)) for n, t in named]
         out.append(Mixer(keys, torch.device("cpu")).host(values) if named else 0)
     return out
 
@@ -103,7 +108,7 @@ def write_final_state(
     }
     groups = [
         [{key: repr(value) for key, value in group.items() if key != "params"} for group in groups]
-        for groups in (opt.state_dict()["param_groups"] for opt in optimizers)
+        for groups in (opt.state_dict().get("param_groups", []) for opt in optimizers)
     ]
     metadata: dict[str, Any] = {"format": FORMAT, "version": VERSION, "param_groups": groups}
     atomic_write_safetensors(path, tensors, safetensors_metadata(metadata))

@@ -209,9 +209,9 @@ def unread_data_note(recipe: Recipe, train: argparse.Namespace | None) -> str:
         return ""
     files = " ".join(f"--data {path}" for path in unread)
     return (
-        f"; note: no data.init_args of {recipe.data.class_path} names {files}, which stays in "
-        "the run ID; if the module never reads it, remove it from the train and evaluate "
-        "stages' cmd and deps in dvc.yaml (docs/your-model.md)"
+        f"; note: no init_args of {recipe.data.class_path} or {recipe.model.class_path} names "
+        f"{files}, which stays in the run ID; if neither reads it, remove it from the train "
+        "and evaluate stages' cmd and deps in dvc.yaml (docs/your-model.md)"
     )
 
 

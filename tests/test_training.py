@@ -1,0 +1,397 @@
+"""The train stage's fit and outputs with modules written as Lightning's docs write them.
+
+Each module is :class:`Net` with one thing changed, trained in this process by
+:func:`~reprotrain.pipeline.training.fit` and written by ``write_outputs`` as
+the stage does: tied weights (nanoGPT's embedding and head), manual
+optimization, a ``training_step`` that skips batches by returning ``None``,
+``configure_optimizers`` returning ``None``, no ``validation_step`` and only
+per-step metrics, and an ``on_save_checkpoint`` that stores an object. Each
+trains, is written, and resumes after SIGTERM to the uninterrupted run's
+bytes (the object in a checkpoint: none is kept, and the rerun starts over to
+them). World-size invariance refuses manual optimization and a skipped batch
+by name, and a skipped batch on two DDP ranks is one line (slow). Each test
+has its negative control.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import save
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from reprotrain.determinism import configure_determinism
+from reprotrain.hashing import load_safetensors
+from reprotrain.pipeline.config import parse_params
+from reprotrain.pipeline.curves import MemoryLogger
+from reprotrain.pipeline.errors import Interrupted
+from reprotrain.pipeline.recipe import resolve_recipe
+from reprotrain.pipeline.training import Checkpointing, find_resume_point, fit, write_outputs
+from reprotrain.trace.callback import TraceCallback
+from tests.helpers import ROOT, params_with, run_cli
+
+pytestmark = pytest.mark.usefixtures("restore_torch_flags")
+
+#: 24 samples in batches of 4: 6 steps an epoch; step 8 is epoch 1's third batch.
+EPOCHS, SIGTERM_STEP = 2, 8
+OUTPUTS = ("model.safetensors", "trace.safetensors", "metrics.json", "plots/train_loss.csv")
+#: Where a fresh process imports this module from (its classes are named by ``__name__``).
+THIS = str(Path(__file__).parent)
+
+
+class TinyData(L.LightningDataModule):
+    """Its own loaders over one seeded table, as Lightning's docs write a data module."""
+
+    def __init__(self, batch_size: int = 4) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def setup(self, stage: str) -> None:
+        x = torch.randn(24, 4, generator=torch.Generator().manual_seed(0))
+        self.data = TensorDataset(x, (x[:, 0] > 0).long())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=8)
+
+    test_dataloader = val_dataloader
+
+
+class Net(L.LightningModule):
+    """Automatic optimization; no validation_step; logs ``mine`` per step only."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.a = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.a(x)))
+
+    def loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        loss = self.loss(batch)
+        self.log("mine", loss)
+        return loss
+
+    def test_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self.loss(batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer | None:
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class Validated(Net):
+    """Logs ``val_loss`` per epoch too."""
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch))
+
+
+class Tied(Net):
+    """Weight tying, as nanoGPT ties its embedding and head: one Parameter, two names."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__(lr)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+class Manual(Net):
+    """Manual optimization as Lightning's docs write it: training_step returns nothing."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__(lr)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        opt = self.optimizers()
+        loss = self.loss(batch)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.log("mine", loss)
+
+
+class Skipping(Net):
+    """Returns None for odd batches: Lightning's documented "skip this batch"."""
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 2 else loss
+
+
+class NoOptimizer(Net):
+    """``configure_optimizers`` returns None, which Lightning allows: no optimizer."""
+
+    def configure_optimizers(self) -> None:
+        return None
+
+
+class Cool:
+    """An object a module keeps in its checkpoints (Lightning's docs' my_cool_pickable_object)."""
+
+    def __init__(self) -> None:
+        self.note = "cool"
+
+
+class Hooked(Net):
+    """Stores a value of its own in each checkpoint, as Lightning's docs show: an object, or
+    (``plain``) a tensor."""
+
+    def __init__(self, lr: float = 0.1, plain: bool = False) -> None:
+        super().__init__(lr)
+        self.plain = plain
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["something_cool_i_want_to_save"] = torch.ones(2) if self.plain else Cool()
+
+
+class OwnCheckpoints(Net):
+    """Its own ModelCheckpoint with no dirpath, from configure_callbacks (Lightning's docs)."""
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        return [ModelCheckpoint(save_top_k=1)]
+
+
+class SigtermAt(L.Callback):
+    """SIGTERM to this process at the start of one global step, as a preemption does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _params(model: str, **changes: Any) -> dict:
+    return params_with(
+        {
+            "model": {"class_path": f"{__name__}.{model}", "init_args": {}},
+            "data": {"class_path": f"{__name__}.TinyData", "init_args": {}},
+            "train.max_epochs": EPOCHS,
+            "train.checkpoint_every_n_epochs": 1,
+            **changes,
+        }
+    )
+
+
+def _train(out: Path, model: str, sigterm_at: int | None = None, **init_args: Any) -> Path:
+    """Train ``model`` as the train stage does, resuming from ``out/ckpt``; write ``out``."""
+    raw = _params(model)
+    raw["model"]["init_args"] = init_args
+    params = parse_params(raw)
+    recipe = resolve_recipe(params)
+    settings = configure_determinism(params.seed, params.deterministic)
+    checkpoints = out / "ckpt"
+    checkpointing = Checkpointing(checkpoints, "run", find_resume_point(checkpoints, "run"))
+    tracer = TraceCallback(None, detail=params.train.trace)
+    stop = [SigtermAt(sigterm_at)] if sigterm_at is not None else []
+    fitted = fit(params, recipe, settings, checkpointing, [tracer, *stop])
+    written = argparse.Namespace(
+        model=out / "model.safetensors", metrics=out / "metrics.json", plots=out / "plots"
+    )
+    write_outputs(written, params, recipe, settings, fitted)
+    tracer.write(out / "trace.safetensors")
+    return out
+
+
+def test_a_modules_own_checkpoints_go_beside_the_pipelines_not_into_the_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repository = tmp_path / "repo"
+    repository.mkdir()
+    monkeypatch.chdir(repository)
+    run = _train(tmp_path / "out", "OwnCheckpoints")
+    written = sorted((run / "lightning").rglob("*.ckpt"))
+    assert [p.relative_to(run).parts[:4] for p in written] == [
+        ("lightning", "memory", "0", "checkpoints")
+    ]
+    assert list(repository.iterdir()) == []
+
+
+def test_without_a_root_the_pipelines_logger_sends_them_into_the_working_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # negative control of the test above: what fit's default_root_dir prevents
+    repository = tmp_path / "repo"
+    repository.mkdir()
+    monkeypatch.chdir(repository)
+    trainer = L.Trainer(
+        max_epochs=1, logger=MemoryLogger(), callbacks=[ModelCheckpoint()],
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    data = TinyData()
+    trainer.fit(Net(), datamodule=data)
+    assert list((repository / "memory" / "0" / "checkpoints").glob("*.ckpt"))
+
+
+def _metrics(run: Path) -> dict[str, Any]:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def _step_rows(run: Path) -> list[list[str]]:
+    return [line.split(",") for line in (run / "plots/train_loss.csv").read_text().splitlines()]
+
+
+def test_tied_weights_are_written_per_name_and_load_strictly_into_a_fresh_instance(
+    tmp_path: Path,
+) -> None:
+    run = _train(tmp_path, "Tied")
+    weights, _ = load_safetensors(run / "model.safetensors")
+    assert torch.equal(weights["a.weight"], weights["b.weight"])
+    fresh = Tied()
+    fresh.load_state_dict(weights, strict=True)
+    assert fresh.b.weight is fresh.a.weight  # tied again, as the module built them
+    # evaluate rebuilds the module from the file's metadata and loads it strictly
+    scored = run_cli("evaluate", "--model", run / "model.safetensors", "--metrics",
+                     run / "test.json", cwd=ROOT, PYTHONPATH=THIS)  # fmt: skip
+    assert scored.returncode == 0, scored.stderr
+    assert json.loads((run / "test.json").read_text())["test_samples"] == 24
+    # Control: safetensors alone refuses the module's state_dict (the crash this fixes).
+    with pytest.raises(RuntimeError, match="share memory"):
+        save(fresh.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("model", "step"),
+    [("Tied", SIGTERM_STEP), ("Manual", SIGTERM_STEP), ("Skipping", SIGTERM_STEP + 1),
+     ("NoOptimizer", SIGTERM_STEP)],
+    ids=["tied weights", "manual optimization", "at a skipped batch", "no optimizer"],
+)  # fmt: skip
+def test_sigterm_then_the_rerun_resumes_to_the_uninterrupted_files(
+    model: str, step: int, tmp_path: Path
+) -> None:
+    straight = _train(tmp_path / "straight", model)
+    with pytest.raises(Interrupted, match=rf"its last checkpoint, epoch=1-step={step + 1}\.ckpt"):
+        _train(tmp_path / "resumed", model, sigterm_at=step)
+    # Control: the rerun does resume (from the checkpoint at the signal), not start over.
+    assert (
+        find_resume_point(tmp_path / "resumed/ckpt", "run").name == f"epoch=1-step={step + 1}.ckpt"
+    )
+    resumed = _train(tmp_path / "resumed", model)
+    for name in OUTPUTS:
+        assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
+    assert _metrics(straight)["steps"] == EPOCHS * 6 and _metrics(straight)["epochs"] == EPOCHS
+
+
+def test_manual_optimization_logs_the_loss_it_passed_to_manual_backward(tmp_path: Path) -> None:
+    rows = _step_rows(_train(tmp_path, "Manual"))
+    assert rows[0] == ["step", "train_loss", "mine"] and len(rows) == 1 + EPOCHS * 6
+    assert all(loss == mine != "" for _, loss, mine in rows[1:])  # the step's one loss, to the bit
+    assert _metrics(tmp_path)["train_loss"] == float(rows[-1][1])
+
+
+def test_a_skipped_batch_has_no_train_loss_and_the_others_keep_theirs(tmp_path: Path) -> None:
+    rows = _step_rows(_train(tmp_path, "Skipping"))
+    losses = [loss for _, loss, _ in rows[1:]]
+    assert len(rows) == 1 + EPOCHS * 6  # every step has its row: the module logged in each
+    assert all((loss == "") == bool(step % 6 % 2) for step, loss in enumerate(losses))
+    assert all(loss == mine for _, loss, mine in rows[1:] if loss)
+    metrics = _metrics(tmp_path)
+    assert metrics["steps"] == EPOCHS * 6 and metrics["train_loss"] == float(losses[-2])
+    # Control: the same module without the skip has a loss at every step.
+    assert all(loss for _, loss, _ in _step_rows(_train(tmp_path / "control", "Net"))[1:])
+
+
+def test_epochs_counts_the_epochs_trained_when_no_epoch_logged_anything(tmp_path: Path) -> None:
+    run = _train(tmp_path / "steps only", "Net")
+    assert (run / "plots/val.csv").read_text() == "epoch\n"  # no epoch row: nothing to count
+    assert _metrics(run)["epochs"] == EPOCHS
+    # Control: with a metric per epoch, one row per epoch, and the same count.
+    validated = _train(tmp_path / "validated", "Validated")
+    assert len((validated / "plots/val.csv").read_text().splitlines()) == 1 + EPOCHS
+    assert _metrics(validated)["epochs"] == EPOCHS
+
+
+def test_a_checkpoint_that_weights_only_refuses_is_not_kept_and_the_rerun_starts_over(
+    tmp_path: Path,
+) -> None:
+    straight = _train(tmp_path / "straight", "Hooked")
+    with pytest.raises(Interrupted) as stopped:
+        _train(tmp_path / "stopped", "Hooked", sigterm_at=SIGTERM_STEP)
+    line = str(stopped.value)
+    assert "\n" not in line and "no checkpoint kept" in line
+    assert f"checkpoint['something_cool_i_want_to_save'] holds a {__name__}.Cool" in line
+    assert "weights_only" in line and "store plain values or tensors there" in line
+    assert not list((tmp_path / "stopped/ckpt").glob("*.ckpt"))
+    rerun = _train(tmp_path / "stopped", "Hooked")  # from the first step
+    for name in OUTPUTS:
+        assert (rerun / name).read_bytes() == (straight / name).read_bytes(), name
+    # Control: the same hook storing a tensor keeps its checkpoint, and the rerun resumes.
+    with pytest.raises(Interrupted, match=r"its last checkpoint, epoch=1-step=\d+\.ckpt, is kept"):
+        _train(tmp_path / "plain", "Hooked", sigterm_at=SIGTERM_STEP, plain=True)
+    assert list((tmp_path / "plain/ckpt").glob("epoch=1-step=*.ckpt"))
+
+
+def _train_cli(out: Path, model: str, env: Path, **changes: Any) -> subprocess.CompletedProcess:
+    """`reprotrain train` of ``model`` in a fresh process, params ``changes`` applied."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "params.yaml").write_text(yaml.safe_dump(_params(model, **changes)))
+    outputs = {"--model": "model.safetensors", "--metrics": "metrics.json", "--plots": "plots",
+               "--run-record": "run.json", "--checkpoints": "ckpt"}  # fmt: skip
+    named = [arg for option, name in outputs.items() for arg in (option, out / name)]
+    argv = ["train", "--params", out / "params.yaml", "--env", env, *named]
+    return run_cli(*argv, cwd=ROOT, PYTHONPATH=THIS)
+
+
+def _error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr
+    return result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("model", "says"),
+    [
+        ("Manual", "sets automatic_optimization = False"),
+        ("Skipping", "Skipping.training_step returned no loss for micro-batch 1 of epoch 0"),
+    ],
+)
+def test_world_size_invariance_refuses_manual_optimization_and_skipped_batches_by_name(
+    model: str, says: str, env_record: Path, tmp_path: Path
+) -> None:
+    invariant = {"train.world_size_invariant": True, "train.micro_batch_size": 2}
+    line = _error_line(_train_cli(tmp_path / model, model, env_record, **invariant))
+    assert line.startswith("reprotrain: error: train.world_size_invariant: true") and says in line
+    assert not (tmp_path / model / "model.safetensors").exists()
+    # Control: the same data and layout, a loss from every batch.
+    control = _train_cli(tmp_path / "control", "Net", env_record, **invariant)
+    assert control.returncode == 0, control.stderr
+
+
+@pytest.mark.slow
+def test_a_skipped_batch_on_two_ranks_is_one_line_naming_it(
+    env_record: Path, tmp_path: Path
+) -> None:
+    """Lightning refuses a skipped batch in distributed training; the stage says so in one line."""
+    ddp = {"train.strategy": "ddp", "train.devices": 2}
+    line = _error_line(_train_cli(tmp_path / "skips", "Skipping", env_record, **ddp))
+    assert f"model.class_path: {__name__}.Skipping: training_step returned None" in line
+    assert "return a loss for every batch, or train on one process" in line
+    # Control: manual optimization trains on two ranks (its train_loss: the ranks' mean).
+    manual = _train_cli(tmp_path / "manual", "Manual", env_record, **ddp)
+    assert manual.returncode == 0, manual.stderr
+    rows = (tmp_path / "manual/plots/train_loss.csv").read_text().splitlines()
+    assert rows[0] == "step,train_loss,mine" and len(rows) == 1 + EPOCHS * 3
