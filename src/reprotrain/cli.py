@@ -23,6 +23,7 @@ other verdicts; 6 ``verify --reference``: same outputs, the record differs;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import os
@@ -113,9 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
 
     _warnings_as_one_line()
-    if not VERBS.get(args.command, "").startswith(STAGES):  # a stage's SIGTERM is Lightning's
-        stop_on_sigterm()
-    with survive_closed_output():
+    stage = VERBS.get(args.command, "").startswith(STAGES)  # a stage's SIGTERM is Lightning's
+    with contextlib.nullcontext() if stage else stop_on_sigterm(), survive_closed_output():
         return _run(args, started)
 
 

@@ -64,13 +64,19 @@ def _signal_group(process: subprocess.Popen, number: int) -> bool:
     return True
 
 
-def stop_on_sigterm() -> None:
-    """From now on SIGTERM raises KeyboardInterrupt, as Ctrl-C does."""
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Inside, SIGTERM raises KeyboardInterrupt, as Ctrl-C does; the handler before is put
+    back after (a command run in-process leaves no handler behind for Lightning to chain)."""
 
     def interrupt(_number: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _ClosedSafe:
