@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from reprotrain.commands._children import run_child
 from tests.helpers import cli_env, start_cli
@@ -155,13 +156,19 @@ def _verify_into_closed_pipe(tmp_path: Path) -> subprocess.CompletedProcess[str]
     return subprocess.CompletedProcess(argv, process.wait(timeout=120), first, "")
 
 
-def test_a_closed_output_pipe_keeps_the_verdicts_exit_code(tmp_path: Path) -> None:
+def test_a_closed_output_pipe_keeps_the_verdicts_exit_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # the verdict stays buffered till exit
     done = _verify_into_closed_pipe(tmp_path)
     assert done.stdout  # one line was read before the pipe closed
     assert done.returncode == 0  # IDENTICAL, not a traceback's 1
 
 
-def test_a_closed_output_pipe_still_reports_a_difference(tmp_path: Path, monkeypatch) -> None:
+def test_a_closed_output_pipe_still_reports_a_difference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("DIFFER", "1")  # start_cli's environment is this process's
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
     done = _verify_into_closed_pipe(tmp_path)
     assert done.returncode == 4  # DIFFERS OUTSIDE TENSORS: out.txt is not a tensor file

@@ -220,3 +220,18 @@ def test_a_workdir_that_is_a_file_is_refused_by_the_pipeline_and_reference_modes
     assert done.stderr.startswith("reprotrain: error: git clone -q --no-checkout")
     assert f"{missing}/reprotrain-reference-" in done.stderr
     assert missing.is_dir() and not list(missing.iterdir())  # the failed clone is removed
+
+
+def test_a_rerun_trains_with_the_stages_own_params_file() -> None:
+    # verify --dvc-yaml pipelines/lm/dvc.yaml: its train stage reads pipelines/lm/params.yaml
+    from reprotrain.commands._rerun import _train_command
+    from reprotrain.pipeline.command import stage_arguments
+
+    lm = stage_arguments("train", ROOT / "pipelines/lm/dvc.yaml")
+    argv = _train_command(lm, Path("run-0"), Path("env.json"), ["seed=3"])
+    assert argv[argv.index("--params") + 1] == "pipelines/lm/params.yaml"
+    assert argv[-2:] == ["-S", "seed=3"]  # the user's overrides last, so they win
+    # control: the default pipeline's stage names no params file: params.yaml
+    digits = stage_arguments("train", ROOT / "dvc.yaml")
+    argv = _train_command(digits, Path("run-0"), Path("env.json"), [])
+    assert argv[argv.index("--params") + 1] == "params.yaml"

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
@@ -46,14 +47,16 @@ def run_child(argv: Sequence[str], **popen: Any) -> subprocess.CompletedProcess:
 
 
 def stop_child(process: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
-    """Stop ``process``'s group: SIGTERM, then SIGKILL if it has not ended in ``grace``."""
+    """Stop ``process``'s group: SIGTERM, then SIGKILL for what of it still runs after
+    ``grace`` (or a second after the leader ended: a member that ignores SIGTERM)."""
     if not _signal_group(process, signal.SIGTERM):
         return
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(grace)
-    except subprocess.TimeoutExpired:
+    if _signal_group(process, 0):  # a member still runs (the leader may have ended)
+        time.sleep(min(grace, 1.0))
         _signal_group(process, signal.SIGKILL)
-        process.wait()
+    process.wait()
 
 
 def _signal_group(process: subprocess.Popen, number: int) -> bool:
@@ -72,11 +75,14 @@ def stop_on_sigterm() -> Iterator[None]:
     def interrupt(_number: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:  # `trap '' TERM`: left ignored
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # None: a handler not set from Python, which cannot be put back; the default
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 class _ClosedSafe:
@@ -112,8 +118,12 @@ class _ClosedSafe:
 def survive_closed_output() -> Iterator[None]:
     """stdout and stderr that drop their output once the pipe they write to is closed."""
     saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _ClosedSafe(sys.stdout), _ClosedSafe(sys.stderr)  # type: ignore[assignment]
+    wrapped = [_ClosedSafe(stream) if stream is not None else None for stream in saved]
+    sys.stdout, sys.stderr = wrapped  # type: ignore[assignment]
     try:
         yield
     finally:
+        for stream in wrapped:  # what is still buffered, now: at exit it would be an error
+            if stream is not None:
+                stream.flush()
         sys.stdout, sys.stderr = saved

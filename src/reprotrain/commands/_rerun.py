@@ -114,9 +114,23 @@ def _train_command(
     ]
     if train_args.dvc_lock is not None:
         argv += ["--dvc-lock", train_args.dvc_lock]
+    argv += _param_options(train_args)
     for override in overrides:
         argv += ["-S", override]
     return [sys.executable, "-m", "reprotrain", "train", *map(str, argv)]
+
+
+def _param_options(train_args: argparse.Namespace) -> list[Any]:
+    """The stage's own params options as its cmd gives them (``--params
+    pipelines/lm/params.yaml``, ``--seed``, ``-S``), so a rerun trains the stage's recipe."""
+    argv: list[Any] = ["--params", train_args.params]
+    if train_args.seed is not None:
+        argv += ["--seed", train_args.seed]
+    if train_args.deterministic is not None:
+        argv += ["--deterministic", train_args.deterministic]
+    for override in train_args.overrides:
+        argv += ["-S", override]
+    return argv
 
 
 def train_fresh(
@@ -152,13 +166,14 @@ def train_fresh(
                 running.append((process, _relay_stderr(process)))
             # stdout is one summary line per run; stderr goes through each run's relay thread
             outputs = [process.stdout.read() for process, _ in running]  # type: ignore[union-attr]
+            for process, relay in running:
+                process.wait()
+                relay.join()
         except BaseException:  # Ctrl-C or SIGTERM: the runs stop with this command
             for process, _ in running:
                 stop_child(process)
             raise
         for folder, (process, relay), output in zip(batch, running, outputs, strict=True):
-            process.wait()
-            relay.join()
             print(output, file=sys.stderr, end="")
             if process.returncode != 0:
                 raise DataError(_failure(folder, process.returncode, relay.errors))

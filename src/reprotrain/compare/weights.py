@@ -33,14 +33,16 @@ from reprotrain.tensorparts import is_dense, layout_name, shape_of, tensor_parts
 __all__ = ["TensorDiff", "compare_tensors", "compare_weights", "weights_table"]
 
 #: dtypes whose values convert to float64 (or complex128): a difference has a magnitude.
+#: By name: the package allows torch >= 2.4, and some (float8_e8m0fnu: 2.7) came later.
 _NUMERIC = frozenset(
-    [
-        *(torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32),
-        *(torch.uint32, torch.int64, torch.uint64),
-        *(torch.float16, torch.bfloat16, torch.float32, torch.float64),
-        *(torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz),
-        *(torch.float8_e8m0fnu, torch.complex32, torch.complex64, torch.complex128),
-    ]
+    getattr(torch, name)
+    for name in (
+        *("bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64"),
+        *("float16", "bfloat16", "float32", "float64"),
+        *("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"),
+        *("float8_e8m0fnu", "complex32", "complex64", "complex128"),
+    )
+    if hasattr(torch, name)
 )
 _SPARSE_VALUES = "values"
 
