@@ -218,12 +218,18 @@ def _train(out: Path, model: str, sigterm_at: int | None = None, **init_args: An
     return out
 
 
+@pytest.fixture
+def repository(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty working folder, as the repository root a stage runs in."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    return folder
+
+
 def test_a_modules_own_checkpoints_go_beside_the_pipelines_not_into_the_repository(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, repository: Path
 ) -> None:
-    repository = tmp_path / "repo"
-    repository.mkdir()
-    monkeypatch.chdir(repository)
     run = _train(tmp_path / "out", "OwnCheckpoints")
     written = sorted((run / "lightning").rglob("*.ckpt"))
     assert [p.relative_to(run).parts[:4] for p in written] == [
@@ -233,12 +239,9 @@ def test_a_modules_own_checkpoints_go_beside_the_pipelines_not_into_the_reposito
 
 
 def test_without_a_root_the_pipelines_logger_sends_them_into_the_working_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    repository: Path,
 ) -> None:
     # negative control of the test above: what fit's default_root_dir prevents
-    repository = tmp_path / "repo"
-    repository.mkdir()
-    monkeypatch.chdir(repository)
     trainer = L.Trainer(
         max_epochs=1, logger=MemoryLogger(), callbacks=[ModelCheckpoint()],
         enable_progress_bar=False, enable_model_summary=False,
