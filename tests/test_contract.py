@@ -110,6 +110,27 @@ class NoValidation(L.LightningDataModule):
     test_dataset = train_dataset
 
 
+class WithLoaders(Model):
+    """Its data in the module itself (train and test loaders), for ``data: null``."""
+
+    def __init__(self, num_classes: int = 2) -> None:
+        super().__init__(num_classes)
+
+    def train_dataloader(self) -> object:
+        return [torch.zeros(1, 3)]
+
+    test_dataloader = train_dataloader
+
+
+class TrainLoaderOnly(WithLoaders):
+    test_dataloader = L.LightningModule.test_dataloader
+
+
+class ModelDownloads(WithLoaders):
+    def prepare_data(self) -> None:
+        raise AssertionError("downloaded")
+
+
 class Pretrained(Model):
     """Loads pretrained weights from a file its __init__ names (a file outside --data would
     decide the bits unseen by the run ID)."""
@@ -156,6 +177,9 @@ def user_module() -> Iterator[None]:
         Streaming,
         Pretrained,
         MnistLike,
+        WithLoaders,
+        TrainLoaderOnly,
+        ModelDownloads,
     ):
         setattr(module, cls.__name__, cls)
     sys.modules["usercontract"] = module
@@ -165,7 +189,7 @@ def user_module() -> Iterator[None]:
 
 def _params(
     model: str = "Model",
-    data: str = "Data",
+    data: str | None = "Data",
     model_args: dict | None = None,
     data_args: dict | None = None,
     **changes: object,
@@ -174,7 +198,8 @@ def _params(
         params_with(
             {
                 "model": {"class_path": f"usercontract.{model}", "init_args": model_args or {}},
-                "data": {"class_path": f"usercontract.{data}", "init_args": data_args or {}},
+                "data": data
+                and {"class_path": f"usercontract.{data}", "init_args": data_args or {}},
                 **changes,
             }
         )
@@ -356,3 +381,42 @@ def test_a_data_module_that_downloads_in_prepare_data_is_refused() -> None:
     message = _refusal(_params(data="Downloads"))
     assert message.startswith("data.class_path: usercontract.Downloads defines prepare_data()")
     assert "--data" in message
+
+
+def test_data_null_or_left_out_means_the_model_gives_its_own_data() -> None:
+    for params in (_params("WithLoaders", data=None), _without_data("WithLoaders")):
+        assert params.data is None
+        recipe = resolve_recipe(params)
+        assert recipe.data is None and recipe.components == (recipe.model,)
+        check_recipe(params, recipe)
+        assert recipe.record()["data"] is None
+    # Control: with a data section, the data module gives the data.
+    assert resolve_recipe(_params("WithLoaders")).data is not None
+
+
+def _without_data(model: str) -> Params:
+    raw = params_with({"model": {"class_path": f"usercontract.{model}"}})
+    del raw["data"]
+    return parse_params(raw)
+
+
+def test_with_no_data_module_a_model_without_its_loaders_is_refused_by_name() -> None:
+    message = _refusal(_params("Model", data=None, model_args={"num_classes": 2}))
+    assert message.startswith(
+        "model.class_path: usercontract.Model defines neither train_dataloader() nor "
+        "train_dataset(); the train stage trains on it: define one of them in the model, or "
+        "name a LightningDataModule under data"
+    )
+    message = _refusal(_params("TrainLoaderOnly", data=None))
+    assert "defines neither test_dataloader() nor test_dataset()" in message
+    # Control: the same model with a data module meets the contract.
+    check_recipe(*(lambda p: (p, resolve_recipe(p)))(_params("Model")))
+
+
+def test_a_model_that_downloads_in_prepare_data_is_refused() -> None:
+    message = _refusal(_params("ModelDownloads", data=None))
+    assert message.startswith(
+        "model.class_path: usercontract.ModelDownloads defines prepare_data(): what it "
+        "downloads would reach training with no checksum in the run ID"
+    )
+    # Control: the model without it (WithLoaders) passes, above.

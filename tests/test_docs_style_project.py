@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reprotrain.hashing import sha256_file
+from reprotrain.hashing import load_safetensors, sha256_file
 from reprotrain.resume import sidecar
 from tests.helpers import (
     PROJECT_TRAIN_OUTPUTS,
@@ -223,6 +223,42 @@ def test_a_data_module_giving_datasets_with_its_batch_size_only_in_hparams_train
     assert refused.returncode != 0 and len(errors) == 1, refused.stdout + refused.stderr
     assert "takes no integer argument 'batch_size'" in errors[0]
     assert _digests(project) == before
+
+
+def test_the_module_with_its_data_in_itself_and_data_null_trains_the_same_bits(
+    cancer_repo: Path, project: Path
+) -> None:
+    """``cancer.standalone``: the data module's setup and loaders in the LightningModule,
+    and ``data: null`` (a LightningCLI config for it has no data section)."""
+    params = project / "params.yaml"
+    text = params.read_text().replace(SECTIONS, "")
+    standalone = SECTIONS.replace("cancer.model.CancerClassifier", "cancer.standalone."
+                                  "StandaloneClassifier")  # fmt: skip
+    standalone = standalone[: standalone.index("data:")] + "    batch_size: 32\ndata: null\n"
+    params.write_text(text.replace("train:", standalone + "train:", 1))
+    out = run_checked("dvc", "repro", cwd=project, **LOCK)
+    assert "checked cancer.standalone.StandaloneClassifier\n" in out, out
+    record = json.loads((project / "reports" / "run.json").read_text())
+    assert record["inputs"]["recipe"]["data"] is None
+    # The same split, loaders and order as the data module's: the same bits and scores
+    for name in ("reports/train_metrics.json", "reports/metrics.json", "reports/plots/train"):
+        assert _tree(project / name) == _tree(cancer_repo / name), name
+    weights = load_safetensors(project / "models" / "model.safetensors")[0]
+    reference = load_safetensors(cancer_repo / "models" / "model.safetensors")[0]
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[name], reference[name]) for name in weights)
+    # Control: a loader in the model that shuffles no more trains other bits.
+    edit_once(project / "cancer" / "standalone.py", "shuffle=True", "shuffle=False")
+    run_checked("dvc", "repro", cwd=project, **LOCK)
+    unshuffled = load_safetensors(project / "models" / "model.safetensors")[0]
+    assert not all(torch.equal(unshuffled[name], reference[name]) for name in weights)
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    """A file's bytes, or a folder's files' bytes by name."""
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*"))}
 
 
 def test_verify_finds_it_identical_a_clock_seeded_loader_too_and_a_clock_seeded_forward_not(

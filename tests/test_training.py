@@ -33,9 +33,10 @@ from safetensors.torch import save
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from reprotrain.cpuprofile import CpuProfile
 from reprotrain.determinism import configure_determinism
 from reprotrain.hashing import load_safetensors
-from reprotrain.pipeline.config import parse_params
+from reprotrain.pipeline.config import ConfigError, parse_params
 from reprotrain.pipeline.curves import MemoryLogger
 from reprotrain.pipeline.errors import Interrupted
 from reprotrain.pipeline.recipe import resolve_recipe
@@ -97,6 +98,39 @@ class Net(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer | None:
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+#: Each ``setup`` a :class:`Standalone` ran, in order (cleared by the tests that read it).
+SETUPS: list[str] = []
+
+
+class Standalone(Net):
+    """TinyData's setup and loaders in the module itself, and no data module: what
+    LightningCLI runs as ``trainer.fit(model)`` for a config with no ``data`` section."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__(lr)
+        self.batch_size = 4
+
+    def setup(self, stage: str) -> None:
+        SETUPS.append(stage)
+        TinyData.setup(self, stage)  # type: ignore[arg-type]
+
+    train_dataloader = TinyData.train_dataloader
+    val_dataloader = TinyData.val_dataloader
+    test_dataloader = TinyData.val_dataloader
+
+
+class TrainerInSetup(Standalone):
+    """Reads ``self.trainer`` in ``setup``, which the pipeline runs before the Trainer exists."""
+
+    def setup(self, stage: str) -> None:
+        self.epochs = self.trainer.max_epochs
+        super().setup(stage)
+
+
+#: The modules that give their own data: params.yaml names no data module for them.
+OWN_DATA = ("Standalone", "TrainerInSetup")
 
 
 class Validated(Net):
@@ -190,7 +224,7 @@ def _params(model: str, **changes: Any) -> dict:
     return params_with(
         {
             "model": {"class_path": f"{__name__}.{model}", "init_args": {}},
-            "data": {"class_path": f"{__name__}.TinyData", "init_args": {}},
+            "data": None if model in OWN_DATA else {"class_path": f"{__name__}.TinyData"},
             "train.max_epochs": EPOCHS,
             "train.checkpoint_every_n_epochs": 1,
             **changes,
@@ -198,9 +232,11 @@ def _params(model: str, **changes: Any) -> dict:
     )
 
 
-def _train(out: Path, model: str, sigterm_at: int | None = None, **init_args: Any) -> Path:
+def _train(
+    out: Path, model: str, sigterm_at: int | None = None, seed: int = 42, **init_args: Any
+) -> Path:
     """Train ``model`` as the train stage does, resuming from ``out/ckpt``; write ``out``."""
-    raw = _params(model)
+    raw = _params(model, seed=seed)
     raw["model"]["init_args"] = init_args
     params = parse_params(raw)
     recipe = resolve_recipe(params)
@@ -281,8 +317,9 @@ def test_tied_weights_are_written_per_name_and_load_strictly_into_a_fresh_instan
 @pytest.mark.parametrize(
     ("model", "step"),
     [("Tied", SIGTERM_STEP), ("Manual", SIGTERM_STEP), ("Skipping", SIGTERM_STEP + 1),
-     ("NoOptimizer", SIGTERM_STEP)],
-    ids=["tied weights", "manual optimization", "at a skipped batch", "no optimizer"],
+     ("NoOptimizer", SIGTERM_STEP), ("Standalone", SIGTERM_STEP)],
+    ids=["tied weights", "manual optimization", "at a skipped batch", "no optimizer",
+         "no data module"],
 )  # fmt: skip
 def test_sigterm_then_the_rerun_resumes_to_the_uninterrupted_files(
     model: str, step: int, tmp_path: Path
@@ -298,6 +335,65 @@ def test_sigterm_then_the_rerun_resumes_to_the_uninterrupted_files(
     for name in OUTPUTS:
         assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
     assert _metrics(straight)["steps"] == EPOCHS * 6 and _metrics(straight)["epochs"] == EPOCHS
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_safetensors(run / "model.safetensors")[0]
+
+
+def test_a_module_with_its_own_data_and_no_data_module_trains_as_the_data_module_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # evaluate in this process: its CPU profile is this process's (the CLI restarts under it)
+    monkeypatch.setattr(CpuProfile, "apply", lambda self: [])
+    SETUPS.clear()
+    alone = _train(tmp_path / "alone", "Standalone")
+    assert SETUPS == ["fit"]  # once, as Lightning runs it: the pipeline's call, not a second
+    in_a_data_module = _train(tmp_path / "data module", "Net")
+    # The same loaders, set up once either way: the same order, so the same bits
+    assert _weights(alone).keys() == _weights(in_a_data_module).keys()
+    for name, tensor in _weights(alone).items():
+        assert torch.equal(tensor, _weights(in_a_data_module)[name]), name
+    for name in ("metrics.json", "plots/train_loss.csv"):
+        assert (alone / name).read_bytes() == (in_a_data_module / name).read_bytes(), name
+    recorded = load_safetensors(alone / "model.safetensors")[1]["params"]
+    assert recorded["data"] is None and recorded["model"]["class_path"].endswith(".Standalone")
+    # evaluate rebuilds it from the weights file and scores its own test_dataloader()
+    scores = _evaluate(alone)
+    assert SETUPS == ["fit", "test"] and scores["test_samples"] == 24
+    assert scores == _evaluate(in_a_data_module)
+
+
+def test_a_module_with_its_own_data_trains_and_scores_other_bits_under_another_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control of the test above: its comparisons can fail."""
+    monkeypatch.setattr(CpuProfile, "apply", lambda self: [])
+    alone = _train(tmp_path / "alone", "Standalone")
+    other = _train(tmp_path / "other seed", "Standalone", seed=7)
+    assert not torch.equal(_weights(other)["head.weight"], _weights(alone)["head.weight"])
+    assert _evaluate(other)["test_loss"] != _evaluate(alone)["test_loss"]
+
+
+def test_with_no_data_module_a_setup_that_reads_the_trainer_is_one_line_saying_where_to_move_it(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        _train(tmp_path, "TrainerInSetup")
+    line = str(refused.value)
+    assert line.startswith(f"model.class_path: {__name__}.TrainerInSetup: its setup('fit') reads")
+    assert "move that code to configure_model or on_fit_start" in line and "\n" not in line
+    # Control: the same module without the read trains (Standalone, above).
+
+
+def _evaluate(run: Path) -> dict[str, Any]:
+    """The evaluate stage on ``run``'s weights, in this process."""
+    from reprotrain.pipeline.stages import evaluate
+
+    scores = run / "scores.json"
+    evaluate.run(None, argparse.Namespace(model=run / "model.safetensors", metrics=scores,
+                                          data=[], dvc_lock=None))  # fmt: skip
+    return json.loads(scores.read_text())
 
 
 def test_manual_optimization_logs_the_loss_it_passed_to_manual_backward(tmp_path: Path) -> None:
@@ -398,3 +494,24 @@ def test_a_skipped_batch_on_two_ranks_is_one_line_naming_it(
     assert manual.returncode == 0, manual.stderr
     rows = (tmp_path / "manual/plots/train_loss.csv").read_text().splitlines()
     assert rows[0] == "step,train_loss,mine" and len(rows) == 1 + EPOCHS * 3
+
+
+@pytest.mark.slow
+def test_a_module_with_its_own_data_trains_the_same_bits_on_one_and_two_ranks_under_invariance(
+    env_record: Path, tmp_path: Path
+) -> None:
+    invariant = {"train.world_size_invariant": True, "train.micro_batch_size": 2}
+    runs = {}
+    for world in (1, 2):
+        layout = {"train.strategy": "ddp", "train.devices": world} if world > 1 else {}
+        trained = _train_cli(
+            tmp_path / f"w{world}", "Standalone", env_record, **invariant, **layout
+        )
+        assert trained.returncode == 0, trained.stderr
+        runs[world] = _weights(tmp_path / f"w{world}")
+    assert all(torch.equal(runs[1][name], runs[2][name]) for name in runs[1])
+    # Control: plain DDP shares the data out by rank, and two ranks train other bits.
+    two_ranks = {"train.strategy": "ddp", "train.devices": 2}
+    ddp = _train_cli(tmp_path / "ddp", "Standalone", env_record, **two_ranks)
+    assert ddp.returncode == 0, ddp.stderr
+    assert not torch.equal(_weights(tmp_path / "ddp")["head.weight"], runs[1]["head.weight"])

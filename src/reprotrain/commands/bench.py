@@ -148,7 +148,8 @@ def run(params: Params, args: argparse.Namespace) -> int:
         for name in names:
             if name == "pipeline":
                 setup, batches = _steptime.pipeline_workload(params, args.dvc_yaml, device)
-                size = {"model": params.model.init_args, "data": params.data.init_args}
+                data = params.data.init_args if params.data is not None else None
+                size = {"model": params.model.init_args, "data": data}
             else:
                 setup, batches = _steptime.conv_workload(args, device)
                 size = {

@@ -86,7 +86,8 @@ COMPONENT_HELP = {
     "model": "the LightningModule: class_path and init_args, as in a LightningCLI config "
     "(docs/your-model.md)",
     "data": "the LightningDataModule: class_path and init_args (batch_size among them where "
-    "it gives datasets), as in a LightningCLI config",
+    "it gives datasets), as in a LightningCLI config; null (or left out) for a model that "
+    "defines its own *_dataloader() methods",
 }
 
 
@@ -175,14 +176,16 @@ class Params:
     #: Optional: only a pipeline with the built-in ``prepare`` stage has it.
     prepare: PrepareConfig | None = field(default_factory=PrepareConfig)
     model: Component = field(default_factory=lambda: DEFAULT_MODEL)
-    data: Component = field(default_factory=lambda: DEFAULT_DATA)
+    #: None (``data: null`` or no ``data`` key, as a LightningCLI config for such a module has
+    #: none): the model's own ``*_dataloader()`` methods give the data.
+    data: Component | None = field(default_factory=lambda: DEFAULT_DATA)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     @property
     def batch_size(self) -> int | None:
         """``data.init_args.batch_size`` when params.yaml sets it (the data module's default
         otherwise, known once the recipe is resolved)."""
-        size = self.data.init_args.get("batch_size")
+        size = self.data.init_args.get("batch_size") if self.data is not None else None
         return size if type(size) is int else None
 
     def select(self, keys: Iterable[str]) -> dict[str, Any]:
@@ -304,7 +307,7 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
     for name, spec in fields.items():
         key = prefix + name
         kind = _section_type(hints[name])
-        if name not in raw and kind is not hints[name]:  # an optional section
+        if raw.get(name) is None and kind is not hints[name]:  # an optional section, or null
             values[name] = None
             continue
         if name not in raw:

@@ -55,7 +55,9 @@ def check_recipe(params: Params, recipe: Recipe) -> None:
     """Refuse classes or arguments that cannot meet what ``params`` asks; one line."""
     import lightning as L
 
-    model, data = recipe.model, recipe.data
+    model = recipe.model
+    # The data source: the data module, else (data: null) the model's own loaders
+    data = recipe.data if recipe.data is not None else model
     for hook, why in (
         ("training_step", "the pipeline trains on the loss it returns"),
         ("configure_optimizers", "the module chooses its own optimizer"),
@@ -65,13 +67,15 @@ def check_recipe(params: Params, recipe: Recipe) -> None:
             raise ConfigError(
                 f"model.class_path: {model.class_path} defines no {hook}; {why} ({DOCS})"
             )
-    if _overrides(data.cls, L.LightningDataModule, "prepare_data"):
-        raise ConfigError(
-            f"data.class_path: {data.class_path} defines prepare_data(), which the pipeline "
-            "never calls: what it downloads would reach training with no checksum in the run "
-            "ID; fetch the files in a DVC stage of your own (or `dvc import-url`), pass them "
-            f"to the train stage as --data, and drop prepare_data ({DOCS})"
-        )
+    for component in recipe.components:
+        if _overrides(component.cls, L.LightningDataModule, "prepare_data"):
+            raise ConfigError(
+                f"{component.key}.class_path: {component.class_path} defines prepare_data(): "
+                "what it downloads would reach training with no checksum in the run ID, so "
+                "the pipeline does not run it; fetch the files in a DVC stage of your own (or "
+                "`dvc import-url`), pass them to the train stage as --data, and drop "
+                f"prepare_data ({DOCS})"
+            )
     gives_datasets = []
     for split in SPLITS:
         if defines_own_loader(data.cls, split):
@@ -79,16 +83,19 @@ def check_recipe(params: Params, recipe: Recipe) -> None:
         if not callable(getattr(data.cls, f"{split}_dataset", None)):
             if split not in NEEDED:  # no validation, as Lightning runs none without a loader
                 continue
+            fix = "define one of them"
+            if recipe.data is None:  # the model gives the data
+                fix += " in the model, or name a LightningDataModule under data"
             raise ConfigError(
-                f"data.class_path: {data.class_path} defines neither {split}_dataloader() nor "
-                f"{split}_dataset(); {NEEDED[split]}: define one of them ({DOCS})"
+                f"{data.key}.class_path: {data.class_path} defines neither {split}_dataloader() "
+                f"nor {split}_dataset(); {NEEDED[split]}: {fix} ({DOCS})"
             )
         gives_datasets.append(split)
     if gives_datasets and not defines_own_loader(data.cls, "train"):
         for name, default in LOADER_ARGUMENTS.items():
             if type(data.init_args.get(name, default)) is not int:
                 raise ConfigError(
-                    f"data.class_path: {data.class_path} gives datasets but takes no integer "
+                    f"{data.key}.class_path: {data.class_path} gives datasets but takes no integer "
                     f"argument {name!r}; the pipeline builds those loaders with batch_size "
                     f"(and num_workers, 0 if not given) (or define your own *_dataloader()) "
                     f"({DOCS})"
@@ -118,7 +125,8 @@ def check_data_files(recipe: Recipe, data: list[Path]) -> None:
     """
     root = Path.cwd().resolve()  # the repository root: DVC runs the stages there
     listed = [path.resolve() for path in data]
-    for key, component in (("data", recipe.data), ("model", recipe.model)):
+    for component in recipe.components:
+        key = component.key
         for name, value in component.init_args.items():
             if not isinstance(value, str) or not value or not Path(value).exists():
                 continue
@@ -152,7 +160,7 @@ def unread_data_files(recipe: Recipe, data: list[Path]) -> list[Path]:
     """
     named = {
         Path(value).resolve()
-        for component in (recipe.data, recipe.model)
+        for component in recipe.components
         for value in component.init_args.values()
         if isinstance(value, str) and value
     }
@@ -185,8 +193,8 @@ def check_loaders(params: Params, recipe: Recipe) -> None:
     The data module is set up for ``fit`` and its ``train_dataloader()`` taken apart; where
     that cannot run yet (the prepared data it reads is made later), the train stage refuses.
     """
-    if not defines_own_loader(recipe.data.cls, "train"):
-        return
+    if recipe.data is None or not defines_own_loader(recipe.data.cls, "train"):
+        return  # the model's own loaders: train checks them, after the model's setup
     if params.train.strategy != "ddp" and not params.train.world_size_invariant:
         return
     try:

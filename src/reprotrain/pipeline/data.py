@@ -103,7 +103,9 @@ class SampleSeeded(Dataset):
 class PipelineLoaders(L.LightningDataModule):
     """A user's data module's loaders, rebuilt with the order the guarantees need (module doc).
 
-    ``source`` must be set up already (the train stage does it, to link its
+    ``source`` is the data module, or the LightningModule itself where it defines its own
+    ``*_dataloader()`` methods and params.yaml names no data module (``data: null``). It must
+    be set up already (the train stage does it, to link its
     attributes to the model's arguments): this wrapper only builds loaders.
     For each split it takes the module's own ``<split>_dataloader()`` apart
     (:mod:`reprotrain.pipeline.own_loaders`) or, where the module gives
@@ -113,7 +115,7 @@ class PipelineLoaders(L.LightningDataModule):
 
     def __init__(
         self,
-        source: L.LightningDataModule,
+        source: L.LightningDataModule | L.LightningModule,
         seed: int,
         shard: bool = False,
         micro_batch_size: int | None = None,

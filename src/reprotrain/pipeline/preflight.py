@@ -113,7 +113,8 @@ class Sizes:
         cnn = None
         if model.class_path == DEFAULT_MODEL.class_path:
             cnn = (int(model.init_args["channels"]), int(model.init_args["hidden"]))
-        batch_size = recipe.data.init_args.get("batch_size")  # else the loader's: unknown here
+        source = recipe.components[0]  # the data module, else the model giving the data
+        batch_size = source.init_args.get("batch_size")  # else the loader's: unknown here
         return cls(batch_size if type(batch_size) is int and batch_size > 0 else 1, cnn)
 
 

@@ -19,6 +19,13 @@ set-up data module's attributes of the same names (LightningCLI's
 returns the model's record with them filled in, so evaluate can rebuild the
 model from the weights file alone.
 
+With no ``data`` section (``data: null``, or none, as a LightningCLI config for
+such a module has none) the model's own ``*_dataloader()`` methods give the
+data, as ``trainer.fit(model)`` uses them: the model is its own data source.
+Its ``setup(stage)`` then runs once, in :func:`build`, before the pipeline asks
+for its loaders (it needs the training loader to build the Trainer), and
+Lightning's own call is skipped (:func:`setup_ran`).
+
 Every error is a :class:`~reprotrain.pipeline.config.ConfigError` of one line
 naming the key path (``model.init_args.hidden``) and what to do. jsonargparse's
 coercions stay: a string such as ``'1e-3'`` for a float parameter is accepted
@@ -139,33 +146,74 @@ class Recipe:
     """The model and data module params.yaml names, resolved."""
 
     model: ResolvedComponent
-    data: ResolvedComponent
+    #: None: the model's own ``*_dataloader()`` methods give the data (no data module).
+    data: ResolvedComponent | None
+
+    @property
+    def components(self) -> tuple[ResolvedComponent, ...]:
+        """The classes params.yaml names: the data module (if any) and the model."""
+        return (self.data, self.model) if self.data is not None else (self.model,)
 
     def record(self, linked: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Both sections fully resolved, with the linked model arguments when known."""
+        """Both sections fully resolved (``data`` None without a data module), with the
+        linked model arguments when known."""
         model = self.model.record()
         model["init_args"] = {**model["init_args"], **(linked or {})}
-        return {"model": model, "data": self.data.record()}
+        return {"model": model, "data": self.data.record() if self.data is not None else None}
 
 
 def resolve_recipe(params: Params) -> Recipe:
     """Import and type-check params' ``model`` and ``data`` (no object is built)."""
     import lightning as L
 
-    data = resolve_component(params.data, "data", L.LightningDataModule)
-    links = tuple(getattr(data.cls, "model_links", ()))
+    data = None
+    if params.data is not None:
+        data = resolve_component(params.data, "data", L.LightningDataModule)
+    links = tuple(getattr(data.cls, "model_links", ())) if data is not None else ()
     model = resolve_component(params.model, "model", L.LightningModule, provided=links)
     return Recipe(model, data)
 
 
 def build(recipe: Recipe, stage: str = "fit") -> tuple[Any, Any, dict[str, Any]]:
-    """The data module (set up for ``stage``), the model, and the linked arguments' values."""
+    """The data source set up for ``stage`` (the data module, else the model itself, whose
+    Lightning ``setup`` call is then to be skipped: :func:`setup_ran`), the model, and the
+    linked arguments' values."""
+    if recipe.data is None:
+        model = recipe.model.instantiate()
+        try:
+            model.setup(stage)
+        except RuntimeError as err:
+            if "not attached to a `Trainer`" not in str(err):
+                raise
+            raise ConfigError(
+                f"model.class_path: {recipe.model.class_path}: its setup({stage!r}) reads "
+                "self.trainer, but with no data module (data: null) the model gives the data "
+                "and its setup runs before the Trainer is built (the pipeline needs the training "
+                "loader to build it); move that code to configure_model or on_fit_start, or "
+                "move setup and the *_dataloader() methods into a LightningDataModule named "
+                "under data"
+            ) from None
+        return model, model, {}
     datamodule, linked = linked_arguments(recipe, stage)
     return datamodule, recipe.model.instantiate(**linked), linked
 
 
+@contextmanager
+def setup_ran(module: Any) -> Iterator[None]:
+    """Lightning's ``setup`` call on ``module`` skipped inside the block: :func:`build` ran
+    it for this stage already, so it runs once, as Lightning would run it."""
+    module.setup = lambda stage: None  # the instance's attribute hides the method
+    try:
+        yield
+    finally:
+        del module.setup
+
+
 def linked_arguments(recipe: Recipe, stage: str = "fit") -> tuple[Any, dict[str, Any]]:
-    """The data module (set up for ``stage``) and the values of the model's linked arguments."""
+    """The data module (set up for ``stage``) and the values of the model's linked arguments
+    (none without a data module)."""
+    if recipe.data is None:
+        return None, {}
     datamodule = recipe.data.instantiate()
     datamodule.setup(stage)
     linked = {}

@@ -94,7 +94,7 @@ def run_inputs(
     from reprotrain.pipeline.recipe import code_files  # jsonargparse: only when a stage runs
 
     package = Path(reprotrain.__file__).parent.resolve()
-    recipe_files = [f.resolve() for c in (recipe.model, recipe.data) for f in code_files(c)]
+    recipe_files = [f.resolve() for c in recipe.components for f in code_files(c)]
     ours = {f for f in recipe_files if f.is_relative_to(package)}
     theirs = sorted(set(recipe_files) - ours)
     stage_files = {f.resolve() for f in source_files(stage_module)} | ours
@@ -130,6 +130,8 @@ def recipe_record(recipe: Recipe, params: Params) -> dict[str, Any]:
 def without_num_workers(record: Mapping[str, Any]) -> dict[str, Any]:
     """A recipe record (:func:`recipe_record`) with ``data.init_args.num_workers`` left out."""
     data = record["data"]
+    if data is None:  # the model's own loaders: their workers are in its code
+        return dict(record)
     rest = {k: v for k, v in data["init_args"].items() if k != "num_workers"}
     return {**record, "data": {**data, "init_args": rest}}
 

@@ -72,7 +72,7 @@ from reprotrain.pipeline.data import PipelineLoaders
 from reprotrain.pipeline.errors import DataError, Interrupted
 from reprotrain.pipeline.own_loaders import OwnLoader
 from reprotrain.pipeline.preflight import check_accelerator
-from reprotrain.pipeline.recipe import Recipe, build
+from reprotrain.pipeline.recipe import Recipe, build, setup_ran
 from reprotrain.pipeline.run_record import without_num_workers
 from reprotrain.provenance.identity import run_id
 from reprotrain.resume import (
@@ -134,7 +134,7 @@ def find_resume_point(run_dir: Path, identity: str) -> Path | None:
 def workers_stamp(inputs: dict[str, Any]) -> dict[str, Any] | None:
     """``{"key": run ID without num_workers, "num_workers": n}``; None if the run ID has no
     worker count (``train.world_size_invariant``: draws are keyed per sample)."""
-    data = inputs["recipe"]["data"]["init_args"]
+    data = (inputs["recipe"]["data"] or {}).get("init_args", {})  # None: the model's loaders
     if "num_workers" not in data:
         return None
     key = run_id({**inputs, "recipe": without_num_workers(inputs["recipe"])})
@@ -262,8 +262,10 @@ def fit(
         default_root_dir=root,
         **settings.trainer_flags(),
     )
+    # With no data module the model gave the data and build ran its setup("fit") already
+    ran = setup_ran(module) if source is module else contextlib.nullcontext()
     try:
-        with _sigint_as_sigterm() as got:
+        with _sigint_as_sigterm() as got, ran:
             trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
     except (SIGTERMException, RuntimeError) as err:
         # Lightning stops at the end of a batch after SIGTERM (SIGTERMException), or the
@@ -471,7 +473,7 @@ def write_outputs(
         one = {"devices": 1, "num_nodes": 1, "strategy": "single_device"}
         recorded["train"] = {**recorded["train"], **one}
         data = recorded["data"]
-        if "num_workers" in data["init_args"]:
+        if data is not None and "num_workers" in data["init_args"]:
             recorded["data"] = {**data, "init_args": {**data["init_args"], "num_workers": 0}}
     metadata = safetensors_metadata({"params": recorded, "determinism": settings.as_dict()})
     logger = fitted.logger

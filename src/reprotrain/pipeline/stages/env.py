@@ -168,7 +168,7 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         check_recipe(params, recipe)
         check_world_size_invariance(params, recipe)
         check_loaders(params, recipe)
-        checked = f"; checked {recipe.model.class_path} and {recipe.data.class_path}"
+        checked = f"; checked {' and '.join(c.class_path for c in reversed(recipe.components))}"
         checked += unread_data_note(recipe, train)
         if raw is not None:
             flags = record[HOST_KEY]["cpu"]["dispatch_flags"]
@@ -209,7 +209,7 @@ def unread_data_note(recipe: Recipe, train: argparse.Namespace | None) -> str:
         return ""
     files = " ".join(f"--data {path}" for path in unread)
     return (
-        f"; note: no init_args of {recipe.data.class_path} or {recipe.model.class_path} names "
+        f"; note: no init_args of {' or '.join(c.class_path for c in recipe.components)} names "
         f"{files}, which stays in the run ID; if neither reads it, remove it from the train "
         "and evaluate stages' cmd and deps in dvc.yaml (docs/your-model.md)"
     )

@@ -26,6 +26,7 @@ recorded: a corrupted or tampered file is refused before it is read.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
@@ -77,7 +78,7 @@ def _evaluate(args: argparse.Namespace) -> str:
     import torch
 
     from reprotrain.pipeline.data import PipelineLoaders
-    from reprotrain.pipeline.recipe import resolve_component
+    from reprotrain.pipeline.recipe import resolve_component, setup_ran
     from reprotrain.pipeline.training import quiet_lightning
 
     if args.dvc_lock:
@@ -92,7 +93,11 @@ def _evaluate(args: argparse.Namespace) -> str:
         )
     torch.use_deterministic_algorithms(True)
     quiet_lightning()
-    source = resolve_component(trained.data, "data", L.LightningDataModule).instantiate()
+    if trained.data is None:  # the model's own loaders; Lightning's setup call is skipped
+        source, ran = module, setup_ran(module)
+    else:
+        source = resolve_component(trained.data, "data", L.LightningDataModule).instantiate()
+        ran = contextlib.nullcontext()
     source.setup("test")
     loader = PipelineLoaders(source, seed=trained.seed).test_dataloader()
     hooks = scoring_hooks(weights, args.model, trained.model.class_path, loader)
@@ -106,7 +111,8 @@ def _evaluate(args: argparse.Namespace) -> str:
         deterministic=True,
         callbacks=[hooks],
     )
-    scores = _floats(trainer.test(module, dataloaders=loader, verbose=False)[0])
+    with ran:
+        scores = _floats(trainer.test(module, dataloaders=loader, verbose=False)[0])
     counted = {} if hooks.samples is None else {"test_samples": hooks.samples}
     metrics = {**counted, **scores}
     atomic_write_text(args.metrics, canonical_json(metrics))
