@@ -420,3 +420,38 @@ def test_a_model_that_downloads_in_prepare_data_is_refused() -> None:
         "downloads would reach training with no checksum in the run ID"
     )
     # Control: the model without it (WithLoaders) passes, above.
+
+
+def test_without_an_evaluate_stage_no_test_step_or_test_split_is_needed() -> None:
+    untested = _params("NoTestStep")
+    unsplit = _params(data="NoTestDataset", model_args={"num_classes": 2})
+    for params in (untested, unsplit):
+        check_recipe(params, resolve_recipe(params), scores=False)
+        # Control: with an evaluate stage, each is refused by name.
+        assert "test" in _refusal(params)
+
+
+EVALUATED = """\
+stages:
+  train: {cmd: reprotrain train --model m.safetensors}
+  score:
+    cmd: ["echo scoring", "reprotrain evaluate --model m.safetensors --metrics s.json"]
+"""
+
+
+def test_a_pipeline_scores_when_any_stage_runs_reprotrain_evaluate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from reprotrain.pipeline.stages.env import scores_in_pipeline
+
+    dvc_yaml = tmp_path / "dvc.yaml"
+    dvc_yaml.write_text(EVALUATED)
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    monkeypatch.setenv("DVC_STAGE", "train")
+    assert scores_in_pipeline()  # a stage of another name, in a list of commands
+    # Controls: without that stage, and outside `dvc repro`, nothing scores.
+    dvc_yaml.write_text(EVALUATED.replace("reprotrain evaluate", "python score.py"))
+    assert not scores_in_pipeline()
+    dvc_yaml.write_text(EVALUATED)
+    monkeypatch.delenv("DVC_STAGE")
+    assert not scores_in_pipeline()

@@ -121,6 +121,12 @@ class Standalone(Net):
     test_dataloader = TinyData.val_dataloader
 
 
+class NoTest(Net):
+    """No test_step: trains, but there is nothing to score."""
+
+    test_step = L.LightningModule.test_step
+
+
 class TrainerInSetup(Standalone):
     """Reads ``self.trainer`` in ``setup``, which the pipeline runs before the Trainer exists."""
 
@@ -384,6 +390,20 @@ def test_with_no_data_module_a_setup_that_reads_the_trainer_is_one_line_saying_w
     assert line.startswith(f"model.class_path: {__name__}.TrainerInSetup: its setup('fit') reads")
     assert "move that code to configure_model or on_fit_start" in line and "\n" not in line
     # Control: the same module without the read trains (Standalone, above).
+
+
+def test_evaluate_refuses_a_model_without_test_step_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(CpuProfile, "apply", lambda self: [])
+    with pytest.raises(ConfigError) as refused:
+        _evaluate(_train(tmp_path / "untested", "NoTest"))
+    line = str(refused.value)
+    assert line.startswith(f"model.class_path: {__name__}.NoTest defines no test_step; ")
+    assert "or drop the evaluate stage from dvc.yaml" in line
+    assert not (tmp_path / "untested" / "scores.json").exists()
+    # Control: the same module with its test_step is scored.
+    assert "test_loss" in _evaluate(_train(tmp_path / "tested", "Net"))
 
 
 def _evaluate(run: Path) -> dict[str, Any]:

@@ -138,6 +138,25 @@ def stage_command(stage: str, dvc_yaml: Path) -> list[str]:
     return ours[0]
 
 
+def pipeline_runs(verb: str, dvc_yaml: Path) -> bool:
+    """Whether a stage of ``dvc_yaml``, under any name, runs ``reprotrain <verb>``; False for
+    a file that cannot be read (DVC refuses it before any stage runs)."""
+    try:
+        spec = _read_pipeline(dvc_yaml)
+    except DataError:
+        return False
+    stages = spec.get("stages") if isinstance(spec, dict) else None
+    for stage in (stages or {}).values():
+        cmd = stage.get("cmd") if isinstance(stage, dict) else None
+        for line in cmd if isinstance(cmd, list) else [cmd]:
+            try:
+                if isinstance(line, str) and shlex.split(line)[:2] == ["reprotrain", verb]:
+                    return True
+            except ValueError:  # unclosed quotes: not a command DVC could run either
+                continue
+    return False
+
+
 def _read_pipeline(dvc_yaml: Path) -> object:
     """``dvc_yaml`` parsed; a missing, unreadable or malformed file is a :class:`DataError`."""
     try:

@@ -51,18 +51,28 @@ LOADER_ARGUMENTS: dict[str, int | None] = {"batch_size": None, "num_workers": 0}
 DOCS = "docs/your-model.md"
 
 
-def check_recipe(params: Params, recipe: Recipe) -> None:
-    """Refuse classes or arguments that cannot meet what ``params`` asks; one line."""
+#: The model's hooks the pipeline calls, and why; ``test_step`` only where a stage scores it.
+HOOKS = {
+    "training_step": "the pipeline trains on the loss it returns",
+    "configure_optimizers": "the module chooses its own optimizer",
+    "test_step": "the evaluate stage scores the test split with the metrics it logs",
+}
+
+
+def check_recipe(params: Params, recipe: Recipe, scores: bool = True) -> None:
+    """Refuse classes or arguments that cannot meet what ``params`` asks; one line.
+
+    ``scores``: whether the pipeline has an evaluate stage, which needs ``test_step`` and a
+    test split (:func:`check_scoring`); a pipeline without one trains a model without them.
+    """
     import lightning as L
 
     model = recipe.model
     # The data source: the data module, else (data: null) the model's own loaders
     data = recipe.data if recipe.data is not None else model
-    for hook, why in (
-        ("training_step", "the pipeline trains on the loss it returns"),
-        ("configure_optimizers", "the module chooses its own optimizer"),
-        ("test_step", "the evaluate stage scores the test split with the metrics it logs"),
-    ):
+    for hook, why in HOOKS.items():
+        if hook == "test_step" and not scores:
+            continue
         if not _overrides(model.cls, L.LightningModule, hook):
             raise ConfigError(
                 f"model.class_path: {model.class_path} defines no {hook}; {why} ({DOCS})"
@@ -81,8 +91,8 @@ def check_recipe(params: Params, recipe: Recipe) -> None:
         if defines_own_loader(data.cls, split):
             continue
         if not callable(getattr(data.cls, f"{split}_dataset", None)):
-            if split not in NEEDED:  # no validation, as Lightning runs none without a loader
-                continue
+            if split not in NEEDED or (split == "test" and not scores):
+                continue  # no validation (or no scoring), as Lightning runs none without one
             fix = "define one of them"
             if recipe.data is None:  # the model gives the data
                 fix += " in the model, or name a LightningDataModule under data"
@@ -109,6 +119,27 @@ def check_recipe(params: Params, recipe: Recipe) -> None:
             )
     if params.train.world_size_invariant and type(data.init_args.get("batch_size")) is int:
         check_invariant_layout(params.train, data.init_args["batch_size"], "params")
+
+
+def check_scoring(
+    model: type, model_path: str, source: type, source_key: str, source_path: str
+) -> None:
+    """Refuse, in the evaluate stage, a model it cannot score: no ``test_step``, or no test
+    split in its data source (``source``: the data module's class, or the model's; named by
+    ``source_key``'s ``class_path``, ``source_path``)."""
+    import lightning as L
+
+    if not _overrides(model, L.LightningModule, "test_step"):
+        raise ConfigError(
+            f"model.class_path: {model_path} defines no test_step; {HOOKS['test_step']}: define "
+            f"it, or drop the evaluate stage from dvc.yaml ({DOCS})"
+        )
+    if not defines_own_loader(source, "test") and not callable(getattr(source, "test_dataset", 0)):
+        raise ConfigError(
+            f"{source_key}.class_path: {source_path} defines neither "
+            f"test_dataloader() nor test_dataset(); {NEEDED['test']}: define one of them, or drop "
+            f"the evaluate stage from dvc.yaml ({DOCS})"
+        )
 
 
 def check_data_files(recipe: Recipe, data: list[Path]) -> None:

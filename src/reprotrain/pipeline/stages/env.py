@@ -165,7 +165,7 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         from reprotrain.pipeline.recipe import resolve_recipe
 
         recipe = resolve_recipe(params)
-        check_recipe(params, recipe)
+        check_recipe(params, recipe, scores=scores_in_pipeline())
         check_world_size_invariance(params, recipe)
         check_loaders(params, recipe)
         checked = f"; checked {' and '.join(c.class_path for c in reversed(recipe.components))}"
@@ -185,6 +185,17 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         atomic_write_text(args.host_out, canonical_json(record[HOST_KEY]))
     drift = "" if record["lock"]["exact"] else f"; {len(record['lock']['drift'])} packages drift"
     return f"recorded environment -> {args.out}{drift}{checked}"
+
+
+def scores_in_pipeline() -> bool:
+    """Whether the pipeline ``dvc repro`` runs has a stage that runs ``reprotrain evaluate``
+    (so the model needs ``test_step`` and a test split); False outside ``dvc repro``, where
+    the evaluate stage checks them when it runs."""
+    from reprotrain.pipeline.command import pipeline_runs
+    from reprotrain.pipeline.kept import pipeline_file
+
+    dvc_yaml = pipeline_file()
+    return dvc_yaml is not None and pipeline_runs("evaluate", dvc_yaml)
 
 
 def pipeline_stage(stage: str) -> argparse.Namespace | None:

@@ -77,6 +77,7 @@ def _evaluate(args: argparse.Namespace) -> str:
     import lightning as L
     import torch
 
+    from reprotrain.pipeline.contract import check_scoring
     from reprotrain.pipeline.data import PipelineLoaders
     from reprotrain.pipeline.recipe import resolve_component, setup_ran
     from reprotrain.pipeline.training import quiet_lightning
@@ -98,6 +99,9 @@ def _evaluate(args: argparse.Namespace) -> str:
     else:
         source = resolve_component(trained.data, "data", L.LightningDataModule).instantiate()
         ran = contextlib.nullcontext()
+    named = trained.data if trained.data is not None else trained.model
+    key = "model" if source is module else "data"
+    check_scoring(type(module), trained.model.class_path, type(source), key, named.class_path)
     source.setup("test")
     loader = PipelineLoaders(source, seed=trained.seed).test_dataloader()
     hooks = scoring_hooks(weights, args.model, trained.model.class_path, loader)

@@ -140,7 +140,7 @@ def _train(params: Params, args: argparse.Namespace) -> str:
     from reprotrain.trace.callback import TraceCallback
 
     recipe = resolve_recipe(params)  # bad input first: one line, nothing written
-    check_recipe(params, recipe)
+    check_recipe(params, recipe, scores=False)  # the evaluate stage checks its own needs
     check_data_files(recipe, args.data)
     # The env stage makes this check where the data module can set up there; here it is
     # the one line before any rank starts (verify's world-size runs skip the env stage).
