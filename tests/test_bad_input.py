@@ -229,7 +229,8 @@ CATALOG: dict[str, Case] = {
         "norm: batch norm with running", NORMED, ("reprotrain", "verify", "--world-sizes", "1,2")
     ),
     "a data module that downloads": _user(
-        "defines prepare_data()", {"data.class_path": "userpkg.data.Downloading"}
+        "defines prepare_data()",
+        {"data.class_path": "userpkg.data.Downloading", "data.init_args.path": "data/mnist"},
     ),
     "its own sampler under DDP": _user(
         "WeightedRandomSampler",

@@ -23,6 +23,7 @@ from reprotrain.pipeline.config import ConfigError, Params, parse_params
 from reprotrain.pipeline.contract import (
     check_data_files,
     check_datasets,
+    check_prepare_data,
     check_recipe,
     unread_data_files,
 )
@@ -83,6 +84,12 @@ class OnlyTrainLoader(L.LightningDataModule):
 
 
 class Downloads(Data):
+    """Lightning's MNIST data module's shape: prepare_data downloads into data_dir."""
+
+    def __init__(self, data_dir: str = "data/mnist", batch_size: int = 4) -> None:
+        super().__init__(batch_size)
+        self.data_dir = data_dir
+
     def prepare_data(self) -> None:
         raise AssertionError("the contract check must not call it")
 
@@ -127,6 +134,10 @@ class TrainLoaderOnly(WithLoaders):
 
 
 class ModelDownloads(WithLoaders):
+    def __init__(self, data_dir: str = "data/mnist") -> None:
+        super().__init__()
+        self.data_dir = data_dir
+
     def prepare_data(self) -> None:
         raise AssertionError("downloaded")
 
@@ -377,10 +388,24 @@ def test_a_data_file_no_data_argument_names_is_reported(tmp_path: Path) -> None:
     assert unread_data_files(with_path, [named]) == []  # control: the module names it
 
 
-def test_a_data_module_that_downloads_in_prepare_data_is_refused() -> None:
-    message = _refusal(_params(data="Downloads"))
-    assert message.startswith("data.class_path: usercontract.Downloads defines prepare_data()")
-    assert "--data" in message
+def _prepare_refusal(params: Params, data: list[Path]) -> str:
+    with pytest.raises(ConfigError) as caught:
+        check_prepare_data(resolve_recipe(params), data)
+    assert "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+def test_prepare_data_is_refused_unless_its_init_args_name_a_data_path(tmp_path: Path) -> None:
+    params = _params(data="Downloads", data_args={"data_dir": str(tmp_path)})
+    message = _prepare_refusal(params, [tmp_path / "other"])
+    assert message.startswith(
+        "data.class_path: usercontract.Downloads defines prepare_data(), which the pipeline "
+        "does not run (what it downloads would have no checksum in the run ID), and none of "
+        "its init_args names a --data path of the train stage for the files"
+    )
+    # Control: its data_dir a --data folder, as Lightning's MNIST data module's would be.
+    check_prepare_data(resolve_recipe(params), [tmp_path])
+    check_recipe(params, resolve_recipe(params))  # and the rest of the contract holds
 
 
 def test_data_null_or_left_out_means_the_model_gives_its_own_data() -> None:
@@ -413,13 +438,15 @@ def test_with_no_data_module_a_model_without_its_loaders_is_refused_by_name() ->
     check_recipe(*(lambda p: (p, resolve_recipe(p)))(_params("Model")))
 
 
-def test_a_model_that_downloads_in_prepare_data_is_refused() -> None:
-    message = _refusal(_params("ModelDownloads", data=None))
+def test_a_model_that_downloads_in_prepare_data_is_refused_unless_it_names_a_data_path(
+    tmp_path: Path,
+) -> None:
+    params = _params("ModelDownloads", data=None, model_args={"data_dir": str(tmp_path)})
+    message = _prepare_refusal(params, [])
     assert message.startswith(
-        "model.class_path: usercontract.ModelDownloads defines prepare_data(): what it "
-        "downloads would reach training with no checksum in the run ID"
+        "model.class_path: usercontract.ModelDownloads defines prepare_data()"
     )
-    # Control: the model without it (WithLoaders) passes, above.
+    check_prepare_data(resolve_recipe(params), [tmp_path])  # control: a --data folder
 
 
 def test_without_an_evaluate_stage_no_test_step_or_test_split_is_needed() -> None:

@@ -39,7 +39,7 @@ from reprotrain.hashing import load_safetensors
 from reprotrain.pipeline.config import ConfigError, parse_params
 from reprotrain.pipeline.curves import MemoryLogger
 from reprotrain.pipeline.errors import Interrupted
-from reprotrain.pipeline.recipe import resolve_recipe
+from reprotrain.pipeline.recipe import hooks_skipped, resolve_recipe
 from reprotrain.pipeline.training import Checkpointing, find_resume_point, fit, write_outputs
 from reprotrain.trace.callback import TraceCallback
 from tests.helpers import ROOT, params_with, run_cli
@@ -135,8 +135,15 @@ class TrainerInSetup(Standalone):
         super().setup(stage)
 
 
+class Downloading(Standalone):
+    """A download in prepare_data, as Lightning's docs write one (its files: --data)."""
+
+    def prepare_data(self) -> None:
+        raise AssertionError("downloaded")
+
+
 #: The modules that give their own data: params.yaml names no data module for them.
-OWN_DATA = ("Standalone", "TrainerInSetup")
+OWN_DATA = ("Standalone", "TrainerInSetup", "Downloading")
 
 
 class Validated(Net):
@@ -404,6 +411,31 @@ def test_evaluate_refuses_a_model_without_test_step_in_one_line(
     assert not (tmp_path / "untested" / "scores.json").exists()
     # Control: the same module with its test_step is scored.
     assert "test_loss" in _evaluate(_train(tmp_path / "tested", "Net"))
+
+
+def test_the_models_prepare_data_is_never_run_in_train_or_evaluate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(CpuProfile, "apply", lambda self: [])
+    run = _train(tmp_path, "Downloading")
+    assert _evaluate(run)["test_samples"] == 24
+    # Control: Lightning itself runs it at the start of fit.
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    with pytest.raises(AssertionError, match="downloaded"):
+        trainer.fit(Downloading())
+
+
+def test_the_skipped_hooks_are_the_modules_own_again_after_the_block() -> None:
+    module, SETUPS[:] = Downloading(), []
+    with hooks_skipped(module, module):
+        module.prepare_data()
+        module.setup("fit")
+    assert SETUPS == []
+    with pytest.raises(AssertionError, match="downloaded"):  # control: its own again
+        module.prepare_data()
+    module.setup("fit")
+    assert SETUPS == ["fit"]
 
 
 def _evaluate(run: Path) -> dict[str, Any]:

@@ -77,15 +77,6 @@ def check_recipe(params: Params, recipe: Recipe, scores: bool = True) -> None:
             raise ConfigError(
                 f"model.class_path: {model.class_path} defines no {hook}; {why} ({DOCS})"
             )
-    for component in recipe.components:
-        if _overrides(component.cls, L.LightningDataModule, "prepare_data"):
-            raise ConfigError(
-                f"{component.key}.class_path: {component.class_path} defines prepare_data(): "
-                "what it downloads would reach training with no checksum in the run ID, so "
-                "the pipeline does not run it; fetch the files in a DVC stage of your own (or "
-                "`dvc import-url`), pass them to the train stage as --data, and drop "
-                f"prepare_data ({DOCS})"
-            )
     gives_datasets = []
     for split in SPLITS:
         if defines_own_loader(data.cls, split):
@@ -139,6 +130,40 @@ def check_scoring(
             f"{source_key}.class_path: {source_path} defines neither "
             f"test_dataloader() nor test_dataset(); {NEEDED['test']}: define one of them, or drop "
             f"the evaluate stage from dvc.yaml ({DOCS})"
+        )
+
+
+def check_prepare_data(recipe: Recipe, data: list[Path]) -> None:
+    """Refuse a class whose ``prepare_data()`` would fetch files no ``--data`` path holds.
+
+    The pipeline never runs ``prepare_data`` (Lightning's call on the model is
+    skipped too: :func:`~reprotrain.pipeline.recipe.hooks_skipped`): a download
+    has no checksum in the run ID. A class that defines it, as Lightning's MNIST
+    data module does, trains as it is where an ``init_args`` string of its own
+    names a ``--data`` path of the train stage (its ``data_dir``), which a DVC
+    stage or ``dvc import-url`` fills and DVC checksums: ``setup`` reads the
+    files there. Otherwise the files it would fetch are nowhere the run ID sees.
+    """
+    import lightning as L
+
+    listed = {path.resolve() for path in data}
+    for component in recipe.components:
+        if not _overrides(component.cls, L.LightningDataModule, "prepare_data"):
+            continue
+        named = {
+            Path(value).resolve()
+            for value in component.init_args.values()
+            if isinstance(value, str) and value
+        }
+        if named & listed:
+            continue
+        raise ConfigError(
+            f"{component.key}.class_path: {component.class_path} defines prepare_data(), which "
+            "the pipeline does not run (what it downloads would have no checksum in the run "
+            "ID), and none of its init_args names a --data path of the train stage for the "
+            "files; fetch them in a DVC stage of your own (or `dvc import-url`) into a folder, "
+            f"pass that folder as --data to the train stage and name it in {component.key}."
+            f"init_args (its data_dir) ({DOCS})"
         )
 
 

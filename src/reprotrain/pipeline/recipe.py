@@ -24,7 +24,8 @@ such a module has none) the model's own ``*_dataloader()`` methods give the
 data, as ``trainer.fit(model)`` uses them: the model is its own data source.
 Its ``setup(stage)`` then runs once, in :func:`build`, before the pipeline asks
 for its loaders (it needs the training loader to build the Trainer), and
-Lightning's own call is skipped (:func:`setup_ran`).
+Lightning's own call is skipped (:func:`hooks_skipped`), as is, for any model,
+Lightning's call of its ``prepare_data`` (the pipeline runs no download).
 
 Every error is a :class:`~reprotrain.pipeline.config.ConfigError` of one line
 naming the key path (``model.init_args.hidden``) and what to do. jsonargparse's
@@ -176,7 +177,7 @@ def resolve_recipe(params: Params) -> Recipe:
 
 def build(recipe: Recipe, stage: str = "fit") -> tuple[Any, Any, dict[str, Any]]:
     """The data source set up for ``stage`` (the data module, else the model itself, whose
-    Lightning ``setup`` call is then to be skipped: :func:`setup_ran`), the model, and the
+    Lightning ``setup`` call is then to be skipped: :func:`hooks_skipped`), the model, and the
     linked arguments' values."""
     if recipe.data is None:
         model = recipe.model.instantiate()
@@ -199,14 +200,22 @@ def build(recipe: Recipe, stage: str = "fit") -> tuple[Any, Any, dict[str, Any]]
 
 
 @contextmanager
-def setup_ran(module: Any) -> Iterator[None]:
-    """Lightning's ``setup`` call on ``module`` skipped inside the block: :func:`build` ran
-    it for this stage already, so it runs once, as Lightning would run it."""
-    module.setup = lambda stage: None  # the instance's attribute hides the method
+def hooks_skipped(module: Any, source: Any) -> Iterator[None]:
+    """Lightning's calls of ``module``'s hooks the pipeline does not leave to it, skipped
+    inside the block: ``prepare_data`` (a download the run ID would not see; the files are
+    ``--data``: :func:`~reprotrain.pipeline.contract.check_prepare_data`) and, where the
+    model is its own data ``source``, ``setup``, which :func:`build` ran for this stage
+    already, so it runs once, as Lightning would run it."""
+    hooks = {"prepare_data": lambda: None}
+    if source is module:
+        hooks["setup"] = lambda stage: None
+    for name, nothing in hooks.items():
+        setattr(module, name, nothing)  # the instance's attribute hides the method
     try:
         yield
     finally:
-        del module.setup
+        for name in hooks:
+            delattr(module, name)
 
 
 def linked_arguments(recipe: Recipe, stage: str = "fit") -> tuple[Any, dict[str, Any]]:

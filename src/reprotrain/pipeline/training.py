@@ -72,7 +72,7 @@ from reprotrain.pipeline.data import PipelineLoaders
 from reprotrain.pipeline.errors import DataError, Interrupted
 from reprotrain.pipeline.own_loaders import OwnLoader
 from reprotrain.pipeline.preflight import check_accelerator
-from reprotrain.pipeline.recipe import Recipe, build, setup_ran
+from reprotrain.pipeline.recipe import Recipe, build, hooks_skipped
 from reprotrain.pipeline.run_record import without_num_workers
 from reprotrain.provenance.identity import run_id
 from reprotrain.resume import (
@@ -262,10 +262,8 @@ def fit(
         default_root_dir=root,
         **settings.trainer_flags(),
     )
-    # With no data module the model gave the data and build ran its setup("fit") already
-    ran = setup_ran(module) if source is module else contextlib.nullcontext()
     try:
-        with _sigint_as_sigterm() as got, ran:
+        with _sigint_as_sigterm() as got, hooks_skipped(module, source):
             trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
     except (SIGTERMException, RuntimeError) as err:
         # Lightning stops at the end of a batch after SIGTERM (SIGTERMException), or the

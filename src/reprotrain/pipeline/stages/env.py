@@ -159,6 +159,7 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         raw = None if args.raw_dir is None else check_raw_data(params, args.raw_dir)
         from reprotrain.pipeline.contract import (
             check_loaders,
+            check_prepare_data,
             check_recipe,
             check_world_size_invariance,
         )
@@ -166,6 +167,8 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
 
         recipe = resolve_recipe(params)
         check_recipe(params, recipe, scores=scores_in_pipeline())
+        if train is not None:  # else the train stage checks it, with its --data
+            check_prepare_data(recipe, train.data)
         check_world_size_invariance(params, recipe)
         check_loaders(params, recipe)
         checked = f"; checked {' and '.join(c.class_path for c in reversed(recipe.components))}"

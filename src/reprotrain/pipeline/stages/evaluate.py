@@ -26,7 +26,6 @@ recorded: a corrupted or tampered file is refused before it is read.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
@@ -79,7 +78,7 @@ def _evaluate(args: argparse.Namespace) -> str:
 
     from reprotrain.pipeline.contract import check_scoring
     from reprotrain.pipeline.data import PipelineLoaders
-    from reprotrain.pipeline.recipe import resolve_component, setup_ran
+    from reprotrain.pipeline.recipe import hooks_skipped, resolve_component
     from reprotrain.pipeline.training import quiet_lightning
 
     if args.dvc_lock:
@@ -95,10 +94,9 @@ def _evaluate(args: argparse.Namespace) -> str:
     torch.use_deterministic_algorithms(True)
     quiet_lightning()
     if trained.data is None:  # the model's own loaders; Lightning's setup call is skipped
-        source, ran = module, setup_ran(module)
+        source = module
     else:
         source = resolve_component(trained.data, "data", L.LightningDataModule).instantiate()
-        ran = contextlib.nullcontext()
     named = trained.data if trained.data is not None else trained.model
     key = "model" if source is module else "data"
     check_scoring(type(module), trained.model.class_path, type(source), key, named.class_path)
@@ -115,7 +113,7 @@ def _evaluate(args: argparse.Namespace) -> str:
         deterministic=True,
         callbacks=[hooks],
     )
-    with ran:
+    with hooks_skipped(module, source):
         scores = _floats(trainer.test(module, dataloaders=loader, verbose=False)[0])
     counted = {} if hooks.samples is None else {"test_samples": hooks.samples}
     metrics = {**counted, **scores}

@@ -125,6 +125,7 @@ def _train(params: Params, args: argparse.Namespace) -> str:
     from reprotrain.distributed.ddp import this_rank
     from reprotrain.pipeline.contract import (
         check_data_files,
+        check_prepare_data,
         check_recipe,
         check_world_size_invariance,
     )
@@ -142,6 +143,7 @@ def _train(params: Params, args: argparse.Namespace) -> str:
     recipe = resolve_recipe(params)  # bad input first: one line, nothing written
     check_recipe(params, recipe, scores=False)  # the evaluate stage checks its own needs
     check_data_files(recipe, args.data)
+    check_prepare_data(recipe, args.data)
     # The env stage makes this check where the data module can set up there; here it is
     # the one line before any rank starts (verify's world-size runs skip the env stage).
     check_world_size_invariance(params, recipe)
