@@ -25,7 +25,8 @@ import torch
 from _workspace import add_workload_argument, train_workspace, workload_params
 from reprotrain.determinism import configure_determinism, reexec_with_fixed_hash_seed
 from reprotrain.pipeline.recipe import resolve_recipe
-from reprotrain.pipeline.training import Checkpointing, fit
+from reprotrain.pipeline.resume_point import Checkpointing
+from reprotrain.pipeline.training import fit
 from reprotrain.resume import RandomStateCallback
 
 

@@ -24,12 +24,12 @@ from reprotrain.hashing import sha256_file, sha256_state_dict
 from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import ResumableLoader
 from reprotrain.pipeline.recipe import resolve_recipe
-from reprotrain.pipeline.training import (
+from reprotrain.pipeline.resume_point import (
     Checkpointing,
     find_resume_point,
-    fit,
     refuse_another_worker_count,
 )
+from reprotrain.pipeline.training import fit
 from reprotrain.recipes.digits import ShiftedImages
 from reprotrain.resume import (
     CheckpointError,

@@ -40,7 +40,9 @@ from reprotrain.pipeline.config import ConfigError, parse_params
 from reprotrain.pipeline.curves import MemoryLogger
 from reprotrain.pipeline.errors import Interrupted
 from reprotrain.pipeline.recipe import hooks_skipped, resolve_recipe
-from reprotrain.pipeline.training import Checkpointing, find_resume_point, fit, write_outputs
+from reprotrain.pipeline.resume_point import Checkpointing, find_resume_point
+from reprotrain.pipeline.train_files import write_outputs
+from reprotrain.pipeline.training import fit
 from reprotrain.trace.callback import TraceCallback
 from tests.helpers import ROOT, params_with, run_cli
 

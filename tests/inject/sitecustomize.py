@@ -95,7 +95,7 @@ if os.environ.get("REPROTRAIN_TEST_KILL_AT") is not None:
     import signal
 
     import reprotrain.pipeline.stages.train as pipeline_train
-    import reprotrain.pipeline.training as training
+    import reprotrain.pipeline.train_files as train_files
     import reprotrain.trace.callback as trace_module
 
     where = os.environ["REPROTRAIN_TEST_KILL_AT"]
@@ -114,7 +114,7 @@ if os.environ.get("REPROTRAIN_TEST_KILL_AT") is not None:
         return wrapped
 
     if where == "outputs":
-        training.write_outputs = _killing(training.write_outputs)
+        train_files.write_outputs = _killing(train_files.write_outputs)
     elif where == "trace":
         trace_module.TraceCallback.write = _killing(trace_module.TraceCallback.write)
     elif where == "run_record":

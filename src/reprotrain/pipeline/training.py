@@ -1,4 +1,4 @@
-"""The train stage's Lightning machinery: fit, resume point, outputs.
+"""The train stage's Lightning machinery: fit.
 
 :mod:`reprotrain.pipeline.stages.train` reads top to bottom and imports this
 module when it runs, so the CLI can read the stage's options without
@@ -7,16 +7,16 @@ in the stage's import closure, :func:`reprotrain.provenance.identity.source_file
 
 :func:`fit` builds the model and data module params names (:mod:`reprotrain.pipeline.recipe`),
 checks them against the contract (:mod:`reprotrain.pipeline.contract`) and fits them,
-checkpointing with the full random state when asked (:class:`Checkpointing`);
+checkpointing with the full random state when asked
+(:class:`~reprotrain.pipeline.resume_point.Checkpointing`);
 Ctrl-C and SIGTERM stop it after the batch on every rank, keeping the last
 checkpoint (none where the module puts in it what ``weights_only`` loading
 refuses: the stop's one line names the key, :mod:`reprotrain.resume`). Tied
 weights, manual optimization, skipped batches and no optimizer train as
 Lightning runs them (the ``train_loss`` they give: :mod:`reprotrain.pipeline.curves`);
 world-size invariance refuses manual optimization by name before the first
-step. :func:`write_outputs` writes the weights, metrics and curves
-atomically, with nothing in them that is not decided by the training (no time,
-path, host name or logger version folder).
+step. :func:`~reprotrain.pipeline.train_files.write_outputs` writes what it
+trained.
 
 The op recorder (:class:`reprotrain.ops.recorder.OpRecorder`) is attached
 only when a recording is asked for (``REPROTRAIN_RECORD_OPS``, which
@@ -28,9 +28,7 @@ unrecorded run's).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
 import importlib
 import logging
 import os
@@ -47,7 +45,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from reprotrain.atomic import atomic_write_safetensors, atomic_write_text
 from reprotrain.determinism import (
     DeterminismSettings,
     explain_nondeterministic_error,
@@ -55,13 +52,9 @@ from reprotrain.determinism import (
 )
 from reprotrain.distributed.ddp import RankAgreement, ddp_strategy
 from reprotrain.distributed.worldsize import WorldSizeInvariantStrategy
-from reprotrain.hashing import canonical_json, safetensors_metadata
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.contract import check_datasets, order_refusal
 from reprotrain.pipeline.curves import (
-    EPOCH,
-    STEP,
-    TRAIN_LOSS,
     CurveCheckpoint,
     EpochAccumulators,
     MemoryLogger,
@@ -73,101 +66,20 @@ from reprotrain.pipeline.errors import DataError, Interrupted
 from reprotrain.pipeline.own_loaders import OwnLoader
 from reprotrain.pipeline.preflight import check_accelerator
 from reprotrain.pipeline.recipe import Recipe, build, hooks_skipped
-from reprotrain.pipeline.run_record import without_num_workers
-from reprotrain.provenance.identity import run_id
+from reprotrain.pipeline.resume_point import WORKERS_KEY, Checkpointing
 from reprotrain.resume import (
-    CheckpointError,
     InterruptCheckpoint,
     RandomStateCallback,
     VerifiedCheckpointIO,
-    checkpoint_run_id,
     latest_checkpoint,
-    load_checkpoint_file,
 )
 
 #: Names the optimizer steps to record ("3" or "3-5"); the recorder's WINDOW_VARIABLE.
 RECORD_OPS_VARIABLE = "REPROTRAIN_RECORD_OPS"
 #: Loaded by name only when asked for, so no import statement puts it in the code hash.
 RECORDER_MODULE = "reprotrain.ops.recorder"
-#: The checkpoint entry with the worker count where it decides the bits (workers_stamp).
-WORKERS_KEY = "reprotrain_workers"
 #: How Lightning 2.6 (the version the locks pin) refuses a skipped batch on several ranks.
 LIGHTNING_NO_SKIP = "Skipping the `training_step` by returning None in distributed training"
-
-
-@dataclass(frozen=True)
-class Checkpointing:
-    """Where :func:`fit` checkpoints, for which run, and what it resumes from."""
-
-    #: A verified checkpoint is written here every ``train.checkpoint_every_n_epochs`` epochs.
-    directory: Path
-    #: The run ID the checkpoints are written for (and that DDP ranks must agree on).
-    run_id: str
-    #: This run's checkpoint to continue from (:func:`find_resume_point`), if any.
-    resume_from: Path | None = None
-    #: The random state rides along; False only for the negative control (resume then
-    #: differs) and the overhead benchmark.
-    random_state: bool = True
-    #: The worker count and the ID of the run without it (:func:`workers_stamp`), where
-    #: the count decides the bits: a checkpoint carries it, so a rerun with another count
-    #: is refused by name (:func:`refuse_another_worker_count`) rather than started over.
-    workers: dict[str, Any] | None = None
-
-
-def find_resume_point(run_dir: Path, identity: str) -> Path | None:
-    """This run's newest verified checkpoint; refuses tampered files and other runs' files."""
-    if not run_dir.is_dir():
-        return None
-    newest = latest_checkpoint(run_dir)
-    if newest is None:
-        return None
-    owner = checkpoint_run_id(newest)
-    if owner != identity:
-        raise CheckpointError(
-            f"{newest}: written for run {str(owner)[:12]}, not this run {identity[:12]}: "
-            "its params, data, code or environment differ, so resuming would mix two runs; "
-            "delete it to start over"
-        )
-    return newest
-
-
-def workers_stamp(inputs: dict[str, Any]) -> dict[str, Any] | None:
-    """``{"key": run ID without num_workers, "num_workers": n}``; None if the run ID has no
-    worker count (``train.world_size_invariant``: draws are keyed per sample)."""
-    data = (inputs["recipe"]["data"] or {}).get("init_args", {})  # None: the model's loaders
-    if "num_workers" not in data:
-        return None
-    key = run_id({**inputs, "recipe": without_num_workers(inputs["recipe"])})
-    return {"key": key, "num_workers": data["num_workers"]}
-
-
-def refuse_another_worker_count(checkpoints: Path, identity: str, workers: Any) -> None:
-    """Refuse to start over when an interrupted run of the same inputs but another worker
-    count left checkpoints: outside world-size-invariant mode each worker draws from its
-    own seeded stream, so that run cannot resume with this count (docs/data.md)."""
-    if not workers or not checkpoints.is_dir():
-        return
-    for run_dir in sorted(p for p in checkpoints.iterdir() if p.is_dir() and p.name != identity):
-        newest, stamp = _workers_stamp_of(run_dir)
-        if stamp and stamp.get("key") == workers["key"]:
-            raise CheckpointError(
-                f"{newest}: an interrupted run of these inputs with data.init_args.num_workers "
-                f"{stamp.get('num_workers')}, this run has {workers['num_workers']}; each worker "
-                "draws from its own stream, so it cannot resume with another count "
-                "(train.world_size_invariant can): set num_workers back to resume it, or delete "
-                "it to start over"
-            )
-
-
-def _workers_stamp_of(run_dir: Path) -> tuple[Path | None, dict[str, Any] | None]:
-    """The newest verified checkpoint in ``run_dir`` and its workers stamp (or Nones); another
-    run's file that cannot be read (not even by ``weights_only`` loading) has none."""
-    with contextlib.suppress(CheckpointError, OSError):
-        newest = latest_checkpoint(run_dir)
-        if newest is not None:
-            stamp = load_checkpoint_file(newest).get(WORKERS_KEY)
-            return newest, stamp if isinstance(stamp, dict) else None
-    return None, None
 
 
 @dataclass
@@ -440,69 +352,3 @@ def _not_resumable(kept: OwnLoader, name: str) -> str:
         f"training interrupted ({name}); no checkpoint kept: {kept.refusal('resume')}. "
         "Rerun to train from the first step, to the same bits"
     )
-
-
-def write_outputs(
-    args: argparse.Namespace,
-    params: Params,
-    recipe: Recipe,
-    settings: DeterminismSettings,
-    fitted: Fitted,
-) -> dict[str, Path]:
-    """Weights (with the params and determinism in force), metrics and curve CSVs, atomically.
-
-    The weights file holds the module's whole ``state_dict``, each name as its
-    own tensor (tied weights, as nanoGPT ties its embedding and head, are
-    written once per name and tie again when evaluate loads them strictly into
-    a fresh instance), and, as metadata, the params with ``model`` and ``data``
-    fully resolved (the linked arguments included): what evaluate needs to
-    rebuild the module, and nothing of one recipe's own. The metrics hold the
-    epochs and steps trained (as the trainer counts them, whatever was
-    logged), the last ``train_loss`` (absent if no step had a loss) and the
-    last value of each metric the module logged.
-    """
-    state = fitted.module.state_dict()
-    weights = {name: t.detach().cpu().contiguous() for name, t in state.items()}
-    recorded = resolved_params(params, recipe, fitted.linked)
-    if params.train.world_size_invariant:
-        # The layout and the worker count did not decide these weights: record one process
-        # without workers, so the file is the same at any world size and worker count
-        # (run.json's inputs name the mode).
-        one = {"devices": 1, "num_nodes": 1, "strategy": "single_device"}
-        recorded["train"] = {**recorded["train"], **one}
-        data = recorded["data"]
-        if data is not None and "num_workers" in data["init_args"]:
-            recorded["data"] = {**data, "init_args": {**data["init_args"], "num_workers": 0}}
-    metadata = safetensors_metadata({"params": recorded, "determinism": settings.as_dict()})
-    logger = fitted.logger
-    train_loss = logger.rows(TRAIN_LOSS)
-    step_names, step_rows = logger.table(STEP, first=(TRAIN_LOSS,))
-    epoch_names, epoch_rows = logger.table(EPOCH)
-    last = {name: rows[-1][1] for name in epoch_names if (rows := logger.rows(name, EPOCH))}
-    metrics = {
-        "epochs": fitted.epochs,
-        "steps": fitted.steps,
-        **({TRAIN_LOSS: train_loss[-1][1]} if train_loss else {}),
-        **{name: logger.rows(name)[-1][1] for name in step_names if name != TRAIN_LOSS},
-        **last,
-    }
-    atomic_write_safetensors(args.model, weights, metadata)
-    atomic_write_text(args.metrics, canonical_json(metrics))
-    atomic_write_text(args.plots / "train_loss.csv", _csv(("step", *step_names), step_rows))
-    atomic_write_text(args.plots / "val.csv", _csv(("epoch", *epoch_names), epoch_rows))
-    return {"model": args.model, "metrics": args.metrics}
-
-
-def resolved_params(params: Params, recipe: Recipe, linked: dict[str, Any]) -> dict[str, Any]:
-    """``params`` as a mapping, ``model`` and ``data`` fully resolved; no empty section."""
-    tree = {name: value for name, value in dataclasses.asdict(params).items() if value is not None}
-    tree.update(recipe.record(linked))
-    return tree
-
-
-def _csv(header: tuple[str, ...], rows: list[list[Any]]) -> str:
-    """A CSV of ``rows`` (an empty cell where a metric was not logged); a name with a comma
-    or a quote is quoted."""
-    quoted = [f'"{h.replace(chr(34), chr(34) * 2)}"' if "," in h or '"' in h else h for h in header]
-    lines = [",".join(quoted)] + [",".join(repr(v) if v != "" else "" for v in row) for row in rows]
-    return "\n".join(lines) + "\n"

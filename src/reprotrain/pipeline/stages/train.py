@@ -130,14 +130,14 @@ def _train(params: Params, args: argparse.Namespace) -> str:
         check_world_size_invariance,
     )
     from reprotrain.pipeline.recipe import resolve_recipe
-    from reprotrain.pipeline.training import (
+    from reprotrain.pipeline.resume_point import (
         Checkpointing,
         find_resume_point,
-        fit,
         refuse_another_worker_count,
         workers_stamp,
-        write_outputs,
     )
+    from reprotrain.pipeline.train_files import write_outputs
+    from reprotrain.pipeline.training import fit
     from reprotrain.trace.callback import TraceCallback
 
     recipe = resolve_recipe(params)  # bad input first: one line, nothing written
