@@ -68,6 +68,15 @@ class Skips(Logs):
         return None if index == 1 else loss
 
 
+class Sparse(Logs):
+    """Logs ``sparse`` (its global step) at each epoch's first batch only."""
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+        if index == 0:
+            self.log("sparse", float(self.global_step))
+        return super().training_step(batch, index)
+
+
 def _fit(
     callbacks: list[L.Callback], logger: MemoryLogger, module: L.LightningModule | None = None
 ) -> None:
@@ -128,7 +137,19 @@ def test_a_skipped_batch_has_no_train_loss_where_lightning_alone_repeats_the_ste
             if outputs.get("loss") is not None:
                 module.log("reprotrain/train_loss", outputs["loss"].detach())
 
-    control = MemoryLogger()
-    _fit([MetricLevels(control), Logged()], control, Skips())
+    control = MemoryLogger()  # and no MetricLevels, which forgets each step's values
+    _fit([Logged()], control, Skips())
     repeated = control.rows("train_loss")
     assert [step for step, _ in repeated] == [0, 1, 2, 3] and repeated[1][1] == repeated[0][1]
+
+
+def test_a_metric_logged_at_some_steps_has_rows_at_those_steps_where_lightning_repeats_it() -> None:
+    logger = MemoryLogger()
+    _fit([MetricLevels(logger), TrainLossLogger()], logger, Sparse())
+    assert logger.rows("sparse") == [(0, 0.0), (2, 2.0)]
+    _, rows = logger.table(STEP, first=("train_loss",))
+    assert [row[2] for row in rows] == [0.0, "", 2.0, ""]  # an empty cell where not logged
+    # Control: Lightning alone flushes the last value again at every later step.
+    control = MemoryLogger()
+    _fit([], control, Sparse())
+    assert control.rows("sparse") == [(0, 0.0), (1, 0.0), (2, 2.0), (3, 2.0)]

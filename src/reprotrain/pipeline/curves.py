@@ -24,7 +24,8 @@ their mean). A step with no loss, a batch ``training_step`` skipped by
 returning ``None`` (Lightning's "skip this batch") or a manual step that
 called no ``manual_backward``, logs none: its ``train_loss`` cell in
 ``train_loss.csv`` is empty (not the step before's value, which Lightning would
-flush again), and the step has no row when nothing else is logged per step.
+flush again), and the step has no row when nothing else is logged per step. So
+is any metric of the module's in a step that did not log it (:class:`MetricLevels`).
 World-size-invariant training needs a loss from every
 micro-batch, so it refuses a skipped batch by name (and the train stage
 refuses manual optimization before it starts).
@@ -158,6 +159,14 @@ class MetricLevels(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._set(trainer, STEP)
+        # Lightning flushes a step value again at every later step that does not log it
+        # (Lightning 2.6, the version the locks pin; its CSVLogger writes the stale value):
+        # forget the last batch's, so a step's row holds what that step logged, an empty
+        # cell where it logged nothing (a skipped batch's train_loss too).
+        for result in trainer.fit_loop.epoch_loop._results.values():
+            for logged in result.values() if isinstance(result, dict) else (result,):
+                if logged.meta.on_step:
+                    logged._forward_cache = None
 
     def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._set(trainer, SKIP)
@@ -292,15 +301,8 @@ class TrainLossLogger(L.Callback):
             if loss is None:
                 raise DataError(_skipped_under_invariance(pl_module, trainer, batch_idx))
             return  # logged once per step, in on_before_optimizer_step
-        if loss is not None:
+        if loss is not None:  # none: no train_loss cell (MetricLevels forgot the last one)
             pl_module.log(LOGGED_LOSS, loss, on_step=True, on_epoch=False, sync_dist=True)
-            return
-        # Lightning flushes a step value again at each later step of the epoch that does not
-        # log it (Lightning 2.6, the version the locks pin): drop it, so a batch with no loss
-        # has no train_loss rather than the one before.
-        logged = trainer.fit_loop.epoch_loop._results.get(f"on_train_batch_end.{LOGGED_LOSS}")
-        if logged is not None:
-            logged._forward_cache = None
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
