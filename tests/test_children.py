@@ -8,6 +8,7 @@ code. The scripts are plain Python (no torch), so each test takes seconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -172,3 +173,44 @@ def test_a_closed_output_pipe_still_reports_a_difference(
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
     done = _verify_into_closed_pipe(tmp_path)
     assert done.returncode == 4  # DIFFERS OUTSIDE TENSORS: out.txt is not a tensor file
+
+
+#: Run in a terminal of its own (pty.fork): a child that reads its input, started by
+#: start_child with ``stdin`` as given in argv[1] ("default" or "inherited").
+READER = """\
+import subprocess, sys
+from reprotrain.commands._children import start_child, stop_child
+
+stdin = {} if sys.argv[1] == "default" else {"stdin": sys.stdin}
+child = [sys.executable, "-c", "import sys; print(repr(sys.stdin.read()))"]
+process = start_child(child, stdout=subprocess.PIPE, text=True, **stdin)
+try:
+    print("read", process.communicate(timeout=3)[0].strip())
+except subprocess.TimeoutExpired:
+    print("stopped")
+    stop_child(process, grace=1)
+"""
+
+
+def _in_a_terminal(stdin: str) -> str:
+    """What READER prints, run as a terminal session's foreground process."""
+    import pty
+
+    pid, terminal = pty.fork()
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-c", READER, stdin])
+    out = b""
+    with contextlib.suppress(OSError):  # EIO: the session ended
+        while chunk := os.read(terminal, 1024):
+            out += chunk
+    os.waitpid(pid, 0)
+    return out.decode().strip().splitlines()[-1]
+
+
+def test_a_child_that_reads_the_terminal_gets_end_of_input_rather_than_stopping() -> None:
+    assert _in_a_terminal("default") == "read ''"
+
+
+def test_a_child_given_the_terminal_as_input_stops_when_it_reads_it() -> None:
+    """The control: reading the terminal from a group of its own stops the child (SIGTTIN)."""
+    assert _in_a_terminal("inherited") == "stopped"

@@ -31,8 +31,24 @@ GRACE_SECONDS = 10.0
 
 
 def start_child(argv: Sequence[str], **popen: Any) -> subprocess.Popen:
-    """``subprocess.Popen(argv, **popen)`` in a process group of its own."""
+    """``subprocess.Popen(argv, **popen)`` in a process group of its own.
+
+    A group of its own is not the terminal's foreground group, and a read from the
+    terminal there stops the whole group (SIGTTIN) until it is brought to the foreground:
+    a script that prompts (``input()``, a login prompt of a tracking library) would hang
+    the command for good. So where this process reads a terminal and ``popen`` names no
+    ``stdin``, the child reads from ``/dev/null`` instead: end of input at once.
+    """
+    if "stdin" not in popen and _reads_a_terminal():
+        popen["stdin"] = subprocess.DEVNULL
     return subprocess.Popen(argv, process_group=0, **popen)
+
+
+def _reads_a_terminal() -> bool:
+    try:
+        return os.isatty(sys.stdin.fileno())
+    except (AttributeError, OSError, ValueError):  # no stdin, or one replaced by a non-file
+        return False
 
 
 def run_child(argv: Sequence[str], **popen: Any) -> subprocess.CompletedProcess:
