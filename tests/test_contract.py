@@ -482,3 +482,45 @@ def test_a_pipeline_scores_when_any_stage_runs_reprotrain_evaluate(
     dvc_yaml.write_text(EVALUATED)
     monkeypatch.delenv("DVC_STAGE")
     assert not scores_in_pipeline()
+
+
+PARAMS_LISTED = """\
+stages:
+  train:
+    cmd: reprotrain train
+    params: [seed, data, {params.yaml: [train.max_epochs]}, {other.json: [x]}]
+"""
+
+
+def test_a_param_a_stage_lists_and_params_yaml_lacks_is_named(tmp_path: Path) -> None:
+    from reprotrain.pipeline.command import missing_params
+
+    (tmp_path / "dvc.yaml").write_text(PARAMS_LISTED)
+    (tmp_path / "params.yaml").write_text("seed: 1\ntrain: {}\n")
+    assert missing_params(tmp_path / "dvc.yaml") == [
+        ("train", "params.yaml", "data"),
+        ("train", "params.yaml", "train.max_epochs"),
+    ]
+    # Control: data: null is a value, and every listed key there: nothing missing.
+    (tmp_path / "params.yaml").write_text("seed: 1\ndata: null\ntrain: {max_epochs: 2}\n")
+    assert missing_params(tmp_path / "dvc.yaml") == []
+
+
+def test_the_env_stage_refuses_it_in_one_line_under_dvc_repro(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from reprotrain.pipeline.stages.env import check_stage_params
+
+    (tmp_path / "dvc.yaml").write_text(PARAMS_LISTED)
+    (tmp_path / "params.yaml").write_text("seed: 1\ntrain: {max_epochs: 2}\n")
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    monkeypatch.setenv("DVC_STAGE", "env")
+    with pytest.raises(ConfigError) as refused:
+        check_stage_params()
+    assert str(refused.value).startswith(
+        f"{tmp_path / 'dvc.yaml'}: stage 'train' lists the param 'data', which params.yaml does "
+        "not have, so DVC would stop at that stage after deleting its outputs; add data to "
+        "params.yaml (data: null for a section left out"
+    )
+    (tmp_path / "params.yaml").write_text("seed: 1\ndata: null\ntrain: {max_epochs: 2}\n")
+    check_stage_params()  # control: nothing missing

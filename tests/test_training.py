@@ -144,8 +144,54 @@ class Downloading(Standalone):
         raise AssertionError("downloaded")
 
 
+#: The test split each :class:`GlobalSplit` drew, by stage, in order.
+SPLITS: list[tuple[str, list[int]]] = []
+
+
+class GlobalSplit(Standalone):
+    """Splits off its test part with torch's global generator (no generator of its own),
+    which the contract allows: the run's seed decides it."""
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        part = torch.utils.data.random_split(self.data, [12, 12])[1]
+        SPLITS.append((stage, list(part.indices)))
+        self.test_part = part
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.test_part, batch_size=8)
+
+
+class TrainOnly(Standalone):
+    """Only ``train_dataloader()``, as Lightning's docs' first LitModel: no val, no test."""
+
+    val_dataloader = L.LightningModule.val_dataloader
+    test_dataloader = L.LightningModule.test_dataloader
+
+
+class TrainerInTestSetup(Standalone):
+    """Reads ``self.trainer`` in its ``setup("test")`` only: trains, then evaluate runs it."""
+
+    def setup(self, stage: str) -> None:
+        if stage == "test":
+            self.devices = self.trainer.num_devices
+        super().setup(stage)
+
+
+class LayersInSetup(Standalone):
+    """Builds a layer in ``setup`` and one in ``configure_model``, as Lightning allows."""
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.extra = nn.Linear(4, 4)
+
+    def configure_model(self) -> None:
+        self.late = nn.Linear(4, 4)
+
+
 #: The modules that give their own data: params.yaml names no data module for them.
-OWN_DATA = ("Standalone", "TrainerInSetup", "Downloading")
+OWN_DATA = ("Standalone", "TrainerInSetup", "Downloading", "GlobalSplit", "TrainOnly",
+            "TrainerInTestSetup", "LayersInSetup")  # fmt: skip
 
 
 class Validated(Net):
@@ -426,6 +472,53 @@ def test_the_models_prepare_data_is_never_run_in_train_or_evaluate(
                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     with pytest.raises(AssertionError, match="downloaded"):
         trainer.fit(Downloading())
+
+
+def test_evaluate_draws_the_test_split_the_train_stage_drew_from_the_runs_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(CpuProfile, "apply", lambda self: [])
+    SPLITS.clear()
+    run = _train(tmp_path / "run", "GlobalSplit")
+    torch.rand(5)  # the process's generators are anywhere by now, as in a fresh process
+    assert _evaluate(run)["test_samples"] == 12
+    (fit, trained), (test, scored) = SPLITS
+    assert (fit, test) == ("fit", "test") and scored == trained
+    # Control: another seed draws another split.
+    _train(tmp_path / "other", "GlobalSplit", seed=7)
+    assert SPLITS[-1][1] != trained
+
+
+def test_a_model_with_only_its_train_loader_trains_the_bits_its_loader_trains_elsewhere(
+    tmp_path: Path,
+) -> None:
+    alone = _train(tmp_path / "train only", "TrainOnly")
+    with_all = _train(tmp_path / "all loaders", "Standalone")  # Net validates nothing either
+    for name in ("metrics.json", "plots/train_loss.csv"):
+        assert (alone / name).read_bytes() == (with_all / name).read_bytes(), name
+
+
+def test_evaluate_says_in_one_line_that_a_setup_reading_the_trainer_runs_without_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(CpuProfile, "apply", lambda self: [])
+    run = _train(tmp_path, "TrainerInTestSetup")  # its setup("fit") reads no trainer
+    with pytest.raises(ConfigError) as refused:
+        _evaluate(run)
+    line = str(refused.value)
+    assert line.startswith(f"model.class_path: {__name__}.TrainerInTestSetup: its setup('test')")
+    assert "\n" not in line
+    # Control: the module without that read is scored (Standalone, above).
+
+
+def test_bench_and_locate_build_the_layers_setup_and_configure_model_add() -> None:
+    from reprotrain.pipeline.recipe import fresh_model
+
+    recipe = resolve_recipe(parse_params(_params("LayersInSetup")))
+    model = fresh_model(recipe, {})
+    assert {"extra", "late"} <= {name for name, _ in model.named_children()}
+    # Control: the class alone, as they built it before, has neither.
+    assert not {"extra", "late"} & {name for name, _ in recipe.model.instantiate().named_children()}
 
 
 def test_the_skipped_hooks_are_the_modules_own_again_after_the_block() -> None:

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from reprotrain.commands._rerun import ensure_prepared
 from reprotrain.pipeline.command import stage_arguments
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.recipe import build, resolve_recipe
+from reprotrain.pipeline.recipe import build, fresh_model, resolve_recipe
 
 #: Mode -> (deterministic algorithms and cudnn.deterministic, cudnn.benchmark).
 MODES = {
@@ -119,7 +119,7 @@ def pipeline_workload(
 
     def setup() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(params.seed)
-        module = recipe.model.instantiate(**linked).to(device)
+        module = fresh_model(recipe, linked).to(device)
         return module, module.configure_optimizers()
 
     return setup, batches

@@ -56,7 +56,7 @@ def run(params: Params, args: argparse.Namespace) -> int:
 
     from reprotrain.compare.modules import locate_divergence
     from reprotrain.pipeline.data import first_batches
-    from reprotrain.pipeline.recipe import build, resolve_recipe
+    from reprotrain.pipeline.recipe import build, fresh_model, resolve_recipe
 
     configure_determinism(params.seed, params.deterministic, params.cpu.to_profile())
     device = torch.device("cuda" if params.train.accelerator == "gpu" else "cpu")
@@ -65,7 +65,7 @@ def run(params: Params, args: argparse.Namespace) -> int:
     batch = move_data_to_device(first_batches(source, 1)[0], device)
 
     def make_module() -> Any:
-        return recipe.model.instantiate(**linked).to(device)
+        return fresh_model(recipe, linked).to(device)
 
     result = locate_divergence(make_module, batch, _training_step, seed=params.seed)
     if args.json:

@@ -157,6 +157,45 @@ def pipeline_runs(verb: str, dvc_yaml: Path) -> bool:
     return False
 
 
+def missing_params(dvc_yaml: Path) -> list[tuple[str, str, str]]:
+    """``(stage, params file, key)`` for each key a stage of ``dvc_yaml`` lists under
+    ``params`` and its YAML params file lacks: DVC would stop at that stage, after deleting
+    its outputs. Files that cannot be read, other formats and templated keys are left to
+    DVC."""
+    try:
+        spec = _read_pipeline(dvc_yaml)
+    except DataError:
+        return []
+    stages = spec.get("stages") if isinstance(spec, dict) else None
+    missing = []
+    for name, stage in (stages if isinstance(stages, dict) else {}).items():
+        if not isinstance(stage, dict):
+            continue
+        wdir = dvc_yaml.parent / str(stage.get("wdir", "."))
+        for entry in stage.get("params") or []:
+            files = {"params.yaml": [entry]} if isinstance(entry, str) else entry
+            for file, keys in (files if isinstance(files, dict) else {}).items():
+                if not keys or not str(file).endswith((".yaml", ".yml")):
+                    continue  # the whole file, or a format read by DVC alone
+                try:
+                    tree = yaml.safe_load((wdir / file).read_text(encoding="utf-8"))
+                except (OSError, UnicodeDecodeError, yaml.YAMLError):
+                    continue
+                for key in keys:
+                    if isinstance(key, str) and "${" not in key and not _has_key(tree, key):
+                        missing.append((str(name), str(file), key))
+    return missing
+
+
+def _has_key(tree: object, dotted: str) -> bool:
+    """Whether ``dotted`` (``train.max_epochs``) names a key of ``tree``; a null value is one."""
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
+
+
 def _read_pipeline(dvc_yaml: Path) -> object:
     """``dvc_yaml`` parsed; a missing, unreadable or malformed file is a :class:`DataError`."""
     try:

@@ -254,15 +254,18 @@ def parse_params(raw: Mapping[str, Any], source: str = "params") -> Params:
     return params
 
 
-def check_invariant_layout(train: TrainConfig, batch_size: int, source: str) -> None:
-    """Refuse a world size and batch layout that world-size invariance cannot keep."""
+def check_invariant_layout(
+    train: TrainConfig, batch_size: int, source: str, batch_key: str = "data.init_args.batch_size"
+) -> None:
+    """Refuse a world size and batch layout that world-size invariance cannot keep
+    (``batch_key``: where the batch size comes from, for the message)."""
     from reprotrain.distributed.worldsize import invariant_layout_problem  # torch: this mode only
 
     world = train.devices * train.num_nodes
     if problem := invariant_layout_problem(batch_size, train.micro_batch_size, world):
         raise ConfigError(
             f"{source}: train.world_size_invariant: {problem} (train.devices x "
-            "train.num_nodes, data.init_args.batch_size, train.micro_batch_size); set e.g. "
+            f"train.num_nodes, {batch_key}, train.micro_batch_size); set e.g. "
             "batch_size: 64, train.micro_batch_size: 16 for world sizes 1, 2 and 4"
         )
 

@@ -224,10 +224,12 @@ def unread_data_files(recipe: Recipe, data: list[Path]) -> list[Path]:
 
 
 def check_datasets(datamodule: Any) -> None:
-    """Refuse a set-up data module whose ``<split>_dataset()`` is not map-style (no own loader)."""
+    """Refuse a set-up data source whose ``<split>_dataset()`` is not map-style (where it
+    gives one: a split with neither a loader nor a dataset is not used, or was refused)."""
     for split in SPLITS:
-        if not defines_own_loader(type(datamodule), split):
-            map_style(getattr(datamodule, f"{split}_dataset")(), split)
+        dataset = getattr(datamodule, f"{split}_dataset", None)
+        if not defines_own_loader(type(datamodule), split) and callable(dataset):
+            map_style(dataset(), split)
 
 
 def order_refusal(params: Params, train_loader: OwnLoader | None) -> str | None:
@@ -239,7 +241,8 @@ def order_refusal(params: Params, train_loader: OwnLoader | None) -> str | None:
     if problem := order_problem(train_loader, shard, invariant):
         return problem
     if invariant and train_loader is not None and train_loader.kept_order is None:
-        check_invariant_layout(params.train, int(train_loader.batch_size or 0), train_loader.where)
+        size = int(train_loader.batch_size or 0)
+        check_invariant_layout(params.train, size, train_loader.where, "its batch_size")
     return None
 
 

@@ -181,22 +181,43 @@ def build(recipe: Recipe, stage: str = "fit") -> tuple[Any, Any, dict[str, Any]]
     linked arguments' values."""
     if recipe.data is None:
         model = recipe.model.instantiate()
-        try:
-            model.setup(stage)
-        except RuntimeError as err:
-            if "not attached to a `Trainer`" not in str(err):
-                raise
-            raise ConfigError(
-                f"model.class_path: {recipe.model.class_path}: its setup({stage!r}) reads "
-                "self.trainer, but with no data module (data: null) the model gives the data "
-                "and its setup runs before the Trainer is built (the pipeline needs the training "
-                "loader to build it); move that code to configure_model or on_fit_start, or "
-                "move setup and the *_dataloader() methods into a LightningDataModule named "
-                "under data"
-            ) from None
+        set_up_model(model, stage, recipe.model.class_path)
         return model, model, {}
     datamodule, linked = linked_arguments(recipe, stage)
     return datamodule, recipe.model.instantiate(**linked), linked
+
+
+#: Why a model's ``setup`` runs outside a Trainer where it gives the data, and what to do.
+GIVES_DATA = (
+    "with no data module (data: null) the model gives the data and its setup runs before the "
+    "Trainer is built (the pipeline needs the loaders to build it); move that code to "
+    "configure_model or on_fit_start, or move setup and the *_dataloader() methods into a "
+    "LightningDataModule named under data"
+)
+
+
+def set_up_model(model: Any, stage: str, class_path: str, why: str = GIVES_DATA) -> None:
+    """``model.setup(stage)`` outside a Trainer: one line saying ``why`` where it reads
+    ``self.trainer``, which is not there."""
+    try:
+        model.setup(stage)
+    except RuntimeError as err:
+        if "not attached to a `Trainer`" not in str(err):
+            raise
+        raise ConfigError(
+            f"model.class_path: {class_path}: its setup({stage!r}) reads self.trainer, but {why}"
+        ) from None
+
+
+def fresh_model(recipe: Recipe, linked: Mapping[str, Any]) -> Any:
+    """A new model as a fit has it before its first step: built, its ``setup("fit")`` and
+    ``configure_model()`` run (where a module may build layers), for measurements on a step
+    outside a Trainer (``reprotrain bench``, ``reprotrain locate``)."""
+    model = recipe.model.instantiate(**linked)
+    why = "this command runs a training step outside a Trainer; train with dvc repro instead"
+    set_up_model(model, "fit", recipe.model.class_path, why)
+    model.configure_model()
+    return model
 
 
 @contextmanager

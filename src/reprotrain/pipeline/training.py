@@ -133,7 +133,8 @@ def fit(
         micro_batch_size=cfg.micro_batch_size if invariant else None,
     )
     if problem := order_refusal(params, datamodule.own("train")):
-        raise DataError(problem)
+        named = recipe.components[0]  # the data module, else the model giving the data
+        raise DataError(f"{named.key}.class_path: {named.class_path}: {problem}")
     # A ModelCheckpoint of the module's own with no dirpath writes under the Trainer's root:
     # beside the pipeline's checkpoints (git-ignored), not in the repository's root
     root = checkpointing.directory.parent / LIGHTNING_ROOT if checkpointing else None

@@ -148,6 +148,7 @@ def stage_params(path: Path | None, printing: bool = False) -> tuple[Params, str
 def run(_: Params | None, args: argparse.Namespace) -> str:
     if args.diff:
         return explain_difference(*args.diff)
+    check_stage_params()
     params, note = stage_params(args.params, printing=args.out is None and args.raw_dir is None)
     record = whole_environment(args.lock, params)
     train = pipeline_stage("train")
@@ -188,6 +189,25 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
         atomic_write_text(args.host_out, canonical_json(record[HOST_KEY]))
     drift = "" if record["lock"]["exact"] else f"; {len(record['lock']['drift'])} packages drift"
     return f"recorded environment -> {args.out}{drift}{checked}"
+
+
+def check_stage_params() -> None:
+    """Under ``dvc repro``, refuse a param a stage lists that its params file lacks (``data``
+    left out with no data module, a section removed), before DVC deletes that stage's
+    outputs and then stops at it."""
+    from reprotrain.pipeline.command import missing_params
+    from reprotrain.pipeline.config import ConfigError
+    from reprotrain.pipeline.kept import pipeline_file
+
+    if (dvc_yaml := pipeline_file()) is None or not (missing := missing_params(dvc_yaml)):
+        return
+    stage, file, key = missing[0]
+    raise ConfigError(
+        f"{dvc_yaml}: stage {stage!r} lists the param {key!r}, which {file} does not have, so "
+        f"DVC would stop at that stage after deleting its outputs; add {key} to {file} "
+        f"({key}: null for a section left out, as data is with no data module), or drop it "
+        "from the stage's params"
+    )
 
 
 def scores_in_pipeline() -> bool:

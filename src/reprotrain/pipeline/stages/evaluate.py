@@ -76,9 +76,15 @@ def _evaluate(args: argparse.Namespace) -> str:
     import lightning as L
     import torch
 
+    from reprotrain.determinism import seed_at_start
     from reprotrain.pipeline.contract import check_scoring
     from reprotrain.pipeline.data import PipelineLoaders
-    from reprotrain.pipeline.recipe import hooks_skipped, resolve_component
+    from reprotrain.pipeline.recipe import (
+        hooks_skipped,
+        rebuild_model,
+        resolve_component,
+        set_up_model,
+    )
     from reprotrain.pipeline.training import quiet_lightning
 
     if args.dvc_lock:
@@ -86,21 +92,28 @@ def _evaluate(args: argparse.Namespace) -> str:
             if not path.exists():
                 raise DataError(f"{path}: not found; run `dvc repro`")
             verify_dvc_checksum(path, args.dvc_lock)
-    module, weights, trained = rebuild_module(args.model)
+    weights, recorded, trained = read_model_file(args.model)
     if problems := trained.cpu.to_profile().apply():
         raise DeterminismError(
             f"{args.model} was trained under cpu.profile {trained.cpu.profile}: {problems[0]}"
         )
     torch.use_deterministic_algorithms(True)
     quiet_lightning()
-    if trained.data is None:  # the model's own loaders; Lightning's setup call is skipped
-        source = module
+    # As the train stage built them, from the run's seed, so a setup that splits the data
+    # with the global generators draws the same split: the data module built and set up
+    # first, else (data: null) the model, then its setup (Lightning's call is skipped).
+    seed_at_start(trained.seed)
+    if trained.data is None:
+        module = source = rebuild_model(recorded, source=f"{args.model} metadata")
+        check_scoring(type(module), trained.model.class_path, type(module), "model",
+                      trained.model.class_path)  # fmt: skip
+        set_up_model(module, "test", trained.model.class_path)
     else:
         source = resolve_component(trained.data, "data", L.LightningDataModule).instantiate()
-    named = trained.data if trained.data is not None else trained.model
-    key = "model" if source is module else "data"
-    check_scoring(type(module), trained.model.class_path, type(source), key, named.class_path)
-    source.setup("test")
+        source.setup("test")
+        module = rebuild_model(recorded, source=f"{args.model} metadata")
+        check_scoring(type(module), trained.model.class_path, type(source), "data",
+                      trained.data.class_path)  # fmt: skip
     loader = PipelineLoaders(source, seed=trained.seed).test_dataloader()
     hooks = scoring_hooks(weights, args.model, trained.model.class_path, loader)
     trainer = L.Trainer(
@@ -128,12 +141,10 @@ def _floats(scores: dict[str, Any]) -> dict[str, float]:
     return {name: float(value) for name, value in scores.items()}
 
 
-def rebuild_module(path: Path) -> tuple[L.LightningModule, dict[str, torch.Tensor], Params]:
-    """The module rebuilt from a weights file (no pickle), its weights not yet loaded (see
-    :func:`scoring_hooks`), the weights, and its params."""
+def read_model_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Params]:
+    """A weights file's weights (no pickle), its model's record (to rebuild it, linked
+    arguments included) and the params it was trained with."""
     from safetensors import SafetensorError
-
-    from reprotrain.pipeline.recipe import rebuild_model
 
     try:
         weights, meta = load_safetensors(path)
@@ -142,7 +153,7 @@ def rebuild_module(path: Path) -> tuple[L.LightningModule, dict[str, torch.Tenso
         raise DataError(f"{path}: model not found; run `dvc repro train`") from None
     except (SafetensorError, OSError, KeyError, ValueError) as err:
         raise DataError(f"{path}: not a reprotrain model file ({err}); retrain it") from None
-    return rebuild_model(meta["params"]["model"], source=f"{path} metadata"), weights, params
+    return weights, meta["params"]["model"], params
 
 
 def scoring_hooks(
