@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -496,3 +499,45 @@ def test_saved_hyperparameters_holding_objects_still_load_with_weights_only(
     torch.save({"hyper_parameters": hyper}, tmp_path / "raw.ckpt")
     with pytest.raises(Exception, match="Weights only load failed"):
         torch.load(tmp_path / "raw.ckpt", weights_only=True)
+
+
+#: Leaves a DataLoader iterator's two workers to exit, as a stop signal that lands while an
+#: epoch's workers start leaves them: nobody shuts them down. argv[1]: "stopped" (the train
+#: stage's exit function registered) or "plain".
+LEFT_WORKERS = """\
+import sys
+from reprotrain.pipeline.data import WorkersIgnoreStopSignals, stop_loader_workers_at_exit
+
+if sys.argv[1] == "stopped":
+    stop_loader_workers_at_exit()
+iterator = iter(WorkersIgnoreStopSignals(list(range(64)), batch_size=1, num_workers=2))
+next(iterator)
+iterator._shutdown = True  # its start cut short: its own shutdown never runs
+print("exiting", flush=True)
+"""
+
+
+def _exits_within(seconds: float, how: str) -> bool:
+    process = subprocess.Popen(
+        [sys.executable, "-c", LEFT_WORKERS, how], start_new_session=True, env=cli_env(),
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        process.wait(seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # the workers too
+        process.wait()
+
+
+def test_workers_left_running_by_a_cut_short_start_do_not_hang_the_exit() -> None:
+    assert _exits_within(30, "stopped")
+
+
+@pytest.mark.slow
+def test_workers_left_running_hang_pythons_exit_for_good_without_the_stop() -> None:
+    """The control: multiprocessing's exit sends them SIGTERM, which they block, and waits."""
+    assert not _exits_within(15, "plain")

@@ -46,9 +46,13 @@ partial batch of an epoch is dropped.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import multiprocessing
 import random
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -338,6 +342,45 @@ class WorkersIgnoreStopSignals(DataLoader):
             return super().__iter__()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def stop_loader_workers() -> None:
+    """Stop this process's daemon children still alive (DataLoader workers are): SIGTERM,
+    then SIGKILL for those alive a second later.
+
+    A worker's iterator stops it when it is shut down; one whose start a stop signal
+    interrupted (the signal landing while an epoch's workers start) never is, and at exit
+    Python's multiprocessing sends its daemon children SIGTERM, which these workers block
+    (:class:`WorkersIgnoreStopSignals`), then waits for them: for good. The train stage
+    calls this when it stops, and at exit (:func:`stop_loader_workers_at_exit`).
+    """
+    children = [child for child in multiprocessing.active_children() if child.daemon]
+    if not children:
+        return
+    # torch's SIGCHLD handler raises for a worker that died of a signal: not news here
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL) if main else None
+    try:
+        for child in children:
+            child.terminate()
+        deadline = time.monotonic() + 1
+        for child in children:
+            child.join(timeout=max(0.0, deadline - time.monotonic()))
+        for child in children:
+            if child.is_alive():
+                child.kill()
+        for child in children:
+            child.join(timeout=5)
+    finally:
+        if main:
+            signal.signal(signal.SIGCHLD, previous)
+
+
+def stop_loader_workers_at_exit() -> None:
+    """Run :func:`stop_loader_workers` at exit, before multiprocessing waits for its children
+    (exit functions run last registered first; multiprocessing registers its own on import)."""
+    atexit.unregister(stop_loader_workers)
+    atexit.register(stop_loader_workers)
 
 
 class ResumableLoader(WorkersIgnoreStopSignals):

@@ -61,7 +61,11 @@ from reprotrain.pipeline.curves import (
     MetricLevels,
     TrainLossLogger,
 )
-from reprotrain.pipeline.data import PipelineLoaders
+from reprotrain.pipeline.data import (
+    PipelineLoaders,
+    stop_loader_workers,
+    stop_loader_workers_at_exit,
+)
 from reprotrain.pipeline.errors import DataError, Interrupted
 from reprotrain.pipeline.own_loaders import OwnLoader
 from reprotrain.pipeline.preflight import check_accelerator
@@ -120,6 +124,7 @@ def fit(
     """
     cfg = params.train
     check_accelerator(params)
+    stop_loader_workers_at_exit()
     ddp = cfg.strategy == "ddp"
     invariant = cfg.world_size_invariant
     source, module, linked = build(recipe)
@@ -183,6 +188,7 @@ def fit(
         # DataLoader-worker error comes first when the signal reached the workers too.
         if trainer.received_sigterm:
             _ignore_dead_loader_workers()
+            stop_loader_workers()  # workers whose start the signal cut short
             if kept is not None:
                 raise Interrupted(_not_resumable(kept, got["signal"])) from None
             directory = checkpointing.directory if checkpointing else None
