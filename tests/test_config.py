@@ -66,6 +66,7 @@ _DELETE = DELETE
         ("deterministic", 1, "deterministic: got 1"),
         ("train.accelerator", "auto", "train.accelerator: got 'auto'; expected one of cpu, gpu"),
         ("train.precision", "8-bit", "train.precision: got '8-bit'"),
+        ("train.precision", "16-mixed", "train.precision: 16-mixed with train.accelerator: cpu"),
         ("model", 3, "model: expected a mapping"),
         (
             "prepare.val_fraction",
@@ -228,3 +229,11 @@ def test_cli_seed_override_reaches_params(repo_root: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "seed=7" in result.stdout
     assert "max_epochs=3" in result.stdout
+
+
+def test_16_mixed_stays_allowed_on_a_gpu_and_bf16_mixed_on_the_cpu() -> None:
+    """The control of the 16-mixed refusal: only the pair Lightning silently changes."""
+    raw = _with("train.precision", "16-mixed")
+    raw["train"]["accelerator"] = "gpu"
+    assert parse_params(raw).train.precision == "16-mixed"
+    assert parse_params(_with("train.precision", "bf16-mixed")).train.precision == "bf16-mixed"

@@ -97,8 +97,22 @@ def test_fingerprint_prints_the_run_id_of_the_last_run(dvc_repo: Path) -> None:
     recorded = json.loads((dvc_repo / "reports/run.json").read_text())
     printed = run_checked("reprotrain", "run-id", cwd=dvc_repo).strip().splitlines()[-1]
     assert printed == recorded["run_id"]
-    other = run_checked("reprotrain", "run-id", "--seed", "1", cwd=dvc_repo).strip()
-    assert other.splitlines()[-1] != printed
+    other = run_checked("reprotrain", "run-id", "-S", "train.max_epochs=3", cwd=dvc_repo)
+    assert other.strip().splitlines()[-1] != printed
+
+
+def test_run_id_refuses_when_the_data_it_would_hash_is_about_to_be_remade(dvc_repo: Path) -> None:
+    # seed is a param of prepare too: another seed splits the data otherwise, so the data on
+    # disk is not what the train stage would read
+    stale = run_cli("run-id", "--seed", "1", cwd=dvc_repo)
+    assert stale.returncode == 2, stale.stdout
+    assert stale.stderr.strip().splitlines()[-1] == (
+        "reprotrain: error: data/prepared/dataset.safetensors is made by stage 'prepare', "
+        "whose params changed since dvc.lock recorded it (seed: 42 -> 1), so the train stage "
+        "would read other data; run `dvc repro` (or `dvc exp run` with these -S) first, whose "
+        "run.json holds the run ID"
+    )
+    # Control: a param of train alone prints an ID (the test above)
 
 
 def test_run_id_of_the_lm_pipeline_reads_its_own_stage_command(dvc_repo: Path) -> None:

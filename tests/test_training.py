@@ -194,6 +194,15 @@ OWN_DATA = ("Standalone", "TrainerInSetup", "Downloading", "GlobalSplit", "Train
             "TrainerInTestSetup", "LayersInSetup")  # fmt: skip
 
 
+class Checked(Net):
+    """Refuses an argument in ``__init__`` with a ValueError, as nanoGPT's ``n_head`` check."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        if lr > 1:
+            raise ValueError(f"lr {lr} above 1")
+        super().__init__(lr)
+
+
 class Validated(Net):
     """Logs ``val_loss`` per epoch too."""
 
@@ -531,6 +540,18 @@ def test_the_skipped_hooks_are_the_modules_own_again_after_the_block() -> None:
         module.prepare_data()
     module.setup("fit")
     assert SETUPS == ["fit"]
+
+
+def test_a_value_error_from_the_modules_init_is_one_line_naming_its_section(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        _train(tmp_path / "refused", "Checked", lr=2.0)
+    assert str(refused.value) == (
+        f"model.init_args: {__name__}.Checked refused its arguments (lr 2.0 above 1); fix them "
+        "under model.init_args in params.yaml"
+    )
+    assert (_train(tmp_path / "control", "Checked", lr=0.5) / "model.safetensors").exists()
 
 
 def _evaluate(run: Path) -> dict[str, Any]:

@@ -249,6 +249,12 @@ def parse_params(raw: Mapping[str, Any], source: str = "params") -> Params:
             f"{train.devices} x train.num_nodes {train.num_nodes}; set train.strategy: ddp "
             "for more than one device"
         )
+    if train.accelerator == "cpu" and train.precision == "16-mixed":
+        raise ConfigError(
+            f"{source}: train.precision: 16-mixed with train.accelerator: cpu, where Lightning "
+            "trains bf16-mixed instead (the CPU's mixed precision), so the run's record would "
+            "name a precision that did not run; set train.precision: bf16-mixed (or 32-true)"
+        )
     if train.world_size_invariant and params.batch_size is not None:
         check_invariant_layout(train, params.batch_size, source)
     return params

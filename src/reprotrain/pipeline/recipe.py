@@ -91,7 +91,14 @@ class ResolvedComponent:
         with _null_is_a_value():
             parser = _parser(self.cls, self.key, self.provided)
             built = parser.instantiate(parser.parse_object(self.init_args))
-        return self.cls(**{name: _plain(built[name]) for name in self.init_args}, **provided)
+        try:
+            return self.cls(**{name: _plain(built[name]) for name in self.init_args}, **provided)
+        except ValueError as err:  # how a class refuses its arguments (n_head not dividing...)
+            shown = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(
+                f"{self.key}.init_args: {self.class_path} refused its arguments ({shown}); fix "
+                f"them under {self.key}.init_args in params.yaml"
+            ) from None
 
 
 def _plain(value: Any) -> Any:
