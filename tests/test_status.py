@@ -34,6 +34,14 @@ def test_status_names_what_would_change(repo_copy: Path) -> None:
     assert result.returncode == 1 and "env: cpu.profile: 'portable' -> 'native'" in result.stdout
 
 
+def test_status_names_another_pipelines_stage_by_its_pipeline(repo_copy: Path) -> None:
+    params = repo_copy / "pipelines/lm/params.yaml"
+    params.write_text(params.read_text().replace("max_epochs:", "max_epochs: 1 #", 1))
+    changes = json.loads(run_cli("status", "--json", cwd=repo_copy).stdout)["changes"]
+    assert any(c.startswith("pipelines/lm/dvc.yaml:train:") for c in changes), changes
+    assert not any(c.startswith("train:") for c in changes), changes  # control: root's train
+
+
 @pytest.mark.slow
 def test_verify_reference_names_a_tampered_file_alone_and_reproduces_the_rest(
     repo_copy: Path,

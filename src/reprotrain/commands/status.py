@@ -81,14 +81,14 @@ def _dvc_changes() -> list[tuple[str, str]]:
         ) from None
     out = []
     for stage, entries in sorted(report.items()):
-        name = stage.split(":")[-1]
-        if name == "env":
+        # another pipeline's stage keeps DVC's name for it: pipelines/lm/dvc.yaml:train
+        if stage.split(":")[-1] == "env":
             continue
         for entry in entries:
             if isinstance(entry, str):
-                out.append((name, entry))
+                out.append((stage, entry))
                 continue
             for kind, paths in entry.items():
                 listed = ", ".join(f"{p} ({state})" for p, state in sorted(paths.items()))
-                out.append((name, f"{kind}: {listed}"))
+                out.append((stage, f"{kind}: {listed}"))
     return out
