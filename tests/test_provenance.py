@@ -273,3 +273,20 @@ def test_checklist_checks_the_outputs_a_good_dvc_lock_records(pipeline_folder: P
     assert data_item() == (0, "pass", "1 files match")
     out.write_bytes(b"other weights")
     assert data_item() == (0, "fail", "changed: out.bin")
+
+
+def test_a_copy_of_the_repository_runs_and_hashes_its_own_code(repo_copy: Path) -> None:
+    """As DVC runs a queued or --temp experiment: in a copy, with the install (editable, of
+    the checkout) importing the checkout's code unless the copy's own is put first."""
+    plain = {"REPROTRAIN_ZYGOTE": ""}  # a real restart, as a user's command has
+
+    def run_id() -> str:
+        return run_checked("reprotrain", "run-id", cwd=repo_copy, **plain).strip().splitlines()[-1]
+
+    before = run_id()
+    stage = repo_copy / "src/reprotrain/pipeline/stages/train.py"
+    original = stage.read_text()
+    stage.write_text(original + "\n# an edit in the copy alone\n")
+    assert run_id() != before
+    stage.write_text(original)
+    assert run_id() == before  # control: its code as it was, its ID as it was

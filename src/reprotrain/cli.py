@@ -190,18 +190,19 @@ def _restart_for_determinism(args: argparse.Namespace) -> None:
 
     if getattr(args, "cmd", None):  # verify -- CMD: its runs start as `run` starts them,
         return None  # never with the CPU profile of a params.yaml that happens to be here
+    source = own_source()
     path = getattr(args, "params", None) or Path("params.yaml")
     if args.command == "evaluate":
         try:
             path = args.model
             params = parse_params(read_safetensors_metadata(path)["params"], str(path))
         except (OSError, ValueError, KeyError):
-            return reexec_with_fixed_hash_seed()  # evaluate itself says what is wrong
+            return reexec_with_fixed_hash_seed(source)  # evaluate itself says what is wrong
     elif path.is_file():
         extra = overrides(args) if hasattr(args, "seed") else getattr(args, "overrides", [])
         params = load_params(path, extra)
     else:
-        return reexec_with_fixed_hash_seed()
+        return reexec_with_fixed_hash_seed(source)
     profile = params.cpu.to_profile()
     if clashes := profile.contradictions():
         message = (
@@ -209,7 +210,29 @@ def _restart_for_determinism(args: argparse.Namespace) -> None:
             f"{profile.threads} ({path}); unset it, or change cpu.profile / cpu.threads"
         )
         refuse_or_warn(params.deterministic, f"{message} (overriding them)")
-    reexec_with_fixed_hash_seed(profile.variables())
+    reexec_with_fixed_hash_seed({**profile.variables(), **source})
+
+
+def own_source() -> dict[str, str]:
+    """``{"PYTHONPATH": ...}`` that makes the restart import this repository's own
+    ``src/reprotrain``, where the working folder has one and the reprotrain imported now is
+    another (an editable install of the workspace, run from a copy of it: DVC runs queued
+    and ``--temp`` experiments in copies under ``.dvc/tmp/exps``). Otherwise the copy's
+    stages would run, and hash into the run ID, the workspace's current code, not the
+    code DVC recorded for them. Empty where nothing is to change, or where the restart
+    already asked for it (an interpreter that had imported reprotrain before: no loop).
+    """
+    import reprotrain
+
+    local = Path.cwd() / "src"
+    if not (local / "reprotrain" / "__init__.py").is_file():
+        return {}
+    if Path(reprotrain.__file__).parent.resolve() == (local / "reprotrain").resolve():
+        return {}
+    before = os.environ.get("PYTHONPATH", "")
+    if before.split(os.pathsep)[0] == str(local):
+        return {}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, (str(local), before)))}
 
 
 def _warnings_as_one_line() -> None:
