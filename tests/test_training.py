@@ -22,6 +22,7 @@ import signal
 import subprocess
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -412,18 +413,17 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_module_with_its_own_data_and_no_data_module_trains_as_the_data_module_would(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    # evaluate in this process: its CPU profile is this process's (the CLI restarts under it)
-    monkeypatch.setattr(CpuProfile, "apply", lambda self: [])
     SETUPS.clear()
     alone = _train(tmp_path / "alone", "Standalone")
     assert SETUPS == ["fit"]  # once, as Lightning runs it: the pipeline's call, not a second
     in_a_data_module = _train(tmp_path / "data module", "Net")
     # The same loaders, set up once either way: the same order, so the same bits
-    assert _weights(alone).keys() == _weights(in_a_data_module).keys()
-    for name, tensor in _weights(alone).items():
-        assert torch.equal(tensor, _weights(in_a_data_module)[name]), name
+    weights, reference = _weights(alone), _weights(in_a_data_module)
+    assert weights.keys() == reference.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, reference[name]), name
     for name in ("metrics.json", "plots/train_loss.csv"):
         assert (alone / name).read_bytes() == (in_a_data_module / name).read_bytes(), name
     recorded = load_safetensors(alone / "model.safetensors")[1]["params"]
@@ -435,10 +435,9 @@ def test_a_module_with_its_own_data_and_no_data_module_trains_as_the_data_module
 
 
 def test_a_module_with_its_own_data_trains_and_scores_other_bits_under_another_seed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """The control of the test above: its comparisons can fail."""
-    monkeypatch.setattr(CpuProfile, "apply", lambda self: [])
     alone = _train(tmp_path / "alone", "Standalone")
     other = _train(tmp_path / "other seed", "Standalone", seed=7)
     assert not torch.equal(_weights(other)["head.weight"], _weights(alone)["head.weight"])
@@ -457,9 +456,8 @@ def test_with_no_data_module_a_setup_that_reads_the_trainer_is_one_line_saying_w
 
 
 def test_evaluate_refuses_a_model_without_test_step_in_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr(CpuProfile, "apply", lambda self: [])
     with pytest.raises(ConfigError) as refused:
         _evaluate(_train(tmp_path / "untested", "NoTest"))
     line = str(refused.value)
@@ -471,9 +469,8 @@ def test_evaluate_refuses_a_model_without_test_step_in_one_line(
 
 
 def test_the_models_prepare_data_is_never_run_in_train_or_evaluate(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr(CpuProfile, "apply", lambda self: [])
     run = _train(tmp_path, "Downloading")
     assert _evaluate(run)["test_samples"] == 24
     # Control: Lightning itself runs it at the start of fit.
@@ -484,9 +481,8 @@ def test_the_models_prepare_data_is_never_run_in_train_or_evaluate(
 
 
 def test_evaluate_draws_the_test_split_the_train_stage_drew_from_the_runs_seed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr(CpuProfile, "apply", lambda self: [])
     SPLITS.clear()
     run = _train(tmp_path / "run", "GlobalSplit")
     torch.rand(5)  # the process's generators are anywhere by now, as in a fresh process
@@ -508,9 +504,8 @@ def test_a_model_with_only_its_train_loader_trains_the_bits_its_loader_trains_el
 
 
 def test_evaluate_says_in_one_line_that_a_setup_reading_the_trainer_runs_without_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr(CpuProfile, "apply", lambda self: [])
     run = _train(tmp_path, "TrainerInTestSetup")  # its setup("fit") reads no trainer
     with pytest.raises(ConfigError) as refused:
         _evaluate(run)
@@ -555,12 +550,15 @@ def test_a_value_error_from_the_modules_init_is_one_line_naming_its_section(
 
 
 def _evaluate(run: Path) -> dict[str, Any]:
-    """The evaluate stage on ``run``'s weights, in this process."""
+    """The evaluate stage on ``run``'s weights, in this process, under this process's CPU
+    profile (the CLI restarts under the one the weights were trained with)."""
     from reprotrain.pipeline.stages import evaluate
 
     scores = run / "scores.json"
-    evaluate.run(None, argparse.Namespace(model=run / "model.safetensors", metrics=scores,
-                                          data=[], dvc_lock=None))  # fmt: skip
+    args = argparse.Namespace(model=run / "model.safetensors", metrics=scores, data=[],
+                              dvc_lock=None)  # fmt: skip
+    with mock.patch.object(CpuProfile, "apply", lambda self: []):
+        evaluate.run(None, args)
     return json.loads(scores.read_text())
 
 

@@ -15,7 +15,12 @@ from pathlib import Path
 import yaml
 
 from reprotrain.determinism import configure_determinism
-from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
+from reprotrain.pipeline.command import (
+    Command,
+    add_dvc_yaml,
+    pipeline_stages,
+    stage_arguments,
+)
 from reprotrain.pipeline.config import Params, flatten
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.stages import train
@@ -70,12 +75,11 @@ def stale_data(params: Params, dvc_yaml: Path, data: list[Path], params_file: Pa
     when no such stage, or nothing changed. Deps other than params are ``dvc status``'s.
     """
     try:
-        spec = yaml.safe_load(dvc_yaml.read_text(encoding="utf-8")) or {}
         lock = yaml.safe_load(dvc_yaml.with_name("dvc.lock").read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError):
         return None  # the train stage's own checks name what is wrong
     wanted = {path.resolve() for path in data}
-    for name, stage in (spec.get("stages") or {}).items():
+    for name, stage in pipeline_stages(dvc_yaml).items():
         wdir = dvc_yaml.parent / str(stage.get("wdir", "."))
         outs = [
             next(iter(out)) if isinstance(out, dict) else out for out in stage.get("outs") or []

@@ -138,16 +138,23 @@ def stage_command(stage: str, dvc_yaml: Path) -> list[str]:
     return ours[0]
 
 
-def pipeline_runs(verb: str, dvc_yaml: Path) -> bool:
-    """Whether a stage of ``dvc_yaml``, under any name, runs ``reprotrain <verb>``; False for
-    a file that cannot be read (DVC refuses it before any stage runs)."""
+def pipeline_stages(dvc_yaml: Path) -> dict[str, dict]:
+    """``dvc_yaml``'s stages by name, each a mapping; none for a file that cannot be read
+    (DVC refuses it before any stage runs) or a stage that is not a mapping."""
     try:
         spec = _read_pipeline(dvc_yaml)
     except DataError:
-        return False
+        return {}
     stages = spec.get("stages") if isinstance(spec, dict) else None
-    for stage in (stages or {}).values():
-        cmd = stage.get("cmd") if isinstance(stage, dict) else None
+    if not isinstance(stages, dict):
+        return {}
+    return {str(name): stage for name, stage in stages.items() if isinstance(stage, dict)}
+
+
+def pipeline_runs(verb: str, dvc_yaml: Path) -> bool:
+    """Whether a stage of ``dvc_yaml``, under any name, runs ``reprotrain <verb>``."""
+    for stage in pipeline_stages(dvc_yaml).values():
+        cmd = stage.get("cmd")
         for line in cmd if isinstance(cmd, list) else [cmd]:
             try:
                 if isinstance(line, str) and shlex.split(line)[:2] == ["reprotrain", verb]:
@@ -162,15 +169,8 @@ def missing_params(dvc_yaml: Path) -> list[tuple[str, str, str]]:
     ``params`` and its YAML params file lacks: DVC would stop at that stage, after deleting
     its outputs. Files that cannot be read, other formats and templated keys are left to
     DVC."""
-    try:
-        spec = _read_pipeline(dvc_yaml)
-    except DataError:
-        return []
-    stages = spec.get("stages") if isinstance(spec, dict) else None
     missing = []
-    for name, stage in (stages if isinstance(stages, dict) else {}).items():
-        if not isinstance(stage, dict):
-            continue
+    for name, stage in pipeline_stages(dvc_yaml).items():
         wdir = dvc_yaml.parent / str(stage.get("wdir", "."))
         for entry in stage.get("params") or []:
             files = {"params.yaml": [entry]} if isinstance(entry, str) else entry
@@ -183,7 +183,7 @@ def missing_params(dvc_yaml: Path) -> list[tuple[str, str, str]]:
                     continue
                 for key in keys:
                     if isinstance(key, str) and "${" not in key and not _has_key(tree, key):
-                        missing.append((str(name), str(file), key))
+                        missing.append((name, str(file), key))
     return missing
 
 

@@ -36,7 +36,7 @@ from reprotrain.pipeline.own_loaders import (
     order_problem,
     own_loader,
 )
-from reprotrain.pipeline.recipe import Recipe, linked_arguments
+from reprotrain.pipeline.recipe import Recipe, ResolvedComponent, linked_arguments
 
 #: The splits; for each, a data module defines ``<split>_dataloader`` or ``<split>_dataset``.
 SPLITS = ("train", "val", "test")
@@ -150,12 +150,7 @@ def check_prepare_data(recipe: Recipe, data: list[Path]) -> None:
     for component in recipe.components:
         if not _overrides(component.cls, L.LightningDataModule, "prepare_data"):
             continue
-        named = {
-            Path(value).resolve()
-            for value in component.init_args.values()
-            if isinstance(value, str) and value
-        }
-        if named & listed:
+        if _named_paths(component) & listed:
             continue
         raise ConfigError(
             f"{component.key}.class_path: {component.class_path} defines prepare_data(), which "
@@ -214,13 +209,17 @@ def unread_data_files(recipe: Recipe, data: list[Path]) -> list[Path]:
     files in its code) needs no ``--data``. Not a refusal: a module may read a
     file its code names; the env stage says it once.
     """
-    named = {
+    named = set().union(*(_named_paths(component) for component in recipe.components))
+    return [path for path in data if path.resolve() not in named]
+
+
+def _named_paths(component: ResolvedComponent) -> set[Path]:
+    """The paths the top-level string ``init_args`` of ``component`` name, resolved."""
+    return {
         Path(value).resolve()
-        for component in recipe.components
         for value in component.init_args.values()
         if isinstance(value, str) and value
     }
-    return [path for path in data if path.resolve() not in named]
 
 
 def check_datasets(datamodule: Any) -> None:
