@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 from reprotrain.commands.bench import effect_pct
 from tests.helpers import ROOT, run_cli, run_in_process
@@ -70,3 +74,56 @@ def test_bench_refuses_a_missing_cuda_device_or_too_few_repeats() -> None:
     if not torch.cuda.is_available():
         cuda = run_in_process("bench", *params, "--device", "cuda")
         assert cuda.returncode == 2 and "no CUDA device" in cuda.stderr
+
+
+class DocsStyle(L.LightningModule):
+    """Written as Lightning's docs write one: a scheduler sized by ``self.trainer``, a
+    dict from ``training_step``, ``self.log``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        loss = F.cross_entropy(self.layer(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return {"loss": loss}
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        steps = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class ManualOptimization(DocsStyle):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(F.cross_entropy(self.layer(batch[0]), batch[1]))
+        optimizer.step()
+        self.lr_schedulers().step()
+
+
+@pytest.mark.parametrize("module_class", [DocsStyle, ManualOptimization])
+def test_bench_times_a_module_as_its_trainer_would_train_it(
+    module_class: type, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from reprotrain.commands._steptime import _lightning_step_times
+
+    monkeypatch.chdir(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g))] * 2
+    module = module_class()
+    before = module.layer.weight.detach().clone()
+    times = _lightning_step_times(module, batches, steps=3, warmup=2, device=torch.device("cpu"))
+    assert len(times) == 3 and min(times) > 0
+    assert not torch.equal(module.layer.weight, before)  # it trained
+    assert list(tmp_path.iterdir()) == []  # and wrote nothing
+    # Control: the loop bench ran before, outside a Trainer, cannot configure its optimizer.
+    with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
+        module_class().configure_optimizers()

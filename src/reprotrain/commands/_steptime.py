@@ -4,7 +4,9 @@
 module sets a mode's flags in place (they are process-global), builds the two
 workloads from the same initial weights and batches for every mode, and times
 steps: forward, backward and the optimizer, with CUDA synchronised around each
-so a step's time is its own. Warm-up steps absorb cuDNN's autotuning.
+so a step's time is its own. A LightningModule's steps are a Lightning
+Trainer's (what the module configures runs as it would in a fit); a bare
+network's, a plain loop. Warm-up steps absorb cuDNN's autotuning.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import itertools
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,7 +27,7 @@ from torch.nn import functional as F
 from reprotrain.commands._rerun import ensure_prepared
 from reprotrain.pipeline.command import stage_arguments
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.recipe import build, fresh_model, resolve_recipe
+from reprotrain.pipeline.recipe import build, resolve_recipe
 
 #: Mode -> (deterministic algorithms and cudnn.deterministic, cudnn.benchmark).
 MODES = {
@@ -34,7 +37,8 @@ MODES = {
 }
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
-Setup = Callable[[], tuple[nn.Module, torch.optim.Optimizer]]
+#: A fresh model and its optimizer; None: a LightningModule, trained by a Trainer.
+Setup = Callable[[], tuple[nn.Module, torch.optim.Optimizer | None]]
 
 
 def set_mode(mode: str) -> None:
@@ -117,10 +121,9 @@ def pipeline_workload(
     source, _, linked = build(recipe)
     batches = [move_data_to_device(batch, device) for batch in first_batches(source, 4)]
 
-    def setup() -> tuple[nn.Module, torch.optim.Optimizer]:
+    def setup() -> tuple[nn.Module, None]:
         torch.manual_seed(params.seed)
-        module = fresh_model(recipe, linked).to(device)
-        return module, module.configure_optimizers()
+        return recipe.model.instantiate(**linked), None  # the Trainer sets it up
 
     return setup, batches
 
@@ -135,7 +138,8 @@ def time_run(
 ) -> float:
     """Median seconds per training step (forward, backward, optimizer) of one fresh run.
 
-    A LightningModule's step is its ``training_step``; a bare network's, cross-entropy.
+    A LightningModule's step is a Lightning Trainer's, as the module configures it; a bare
+    network's, cross-entropy and the optimizer ``setup`` gave.
     """
     return timed_training(setup, batches, steps, warmup, device)[0]
 
@@ -145,25 +149,72 @@ def timed_training(
 ) -> tuple[float, nn.Module]:
     """:func:`time_run`'s median step time, and the model those steps trained."""
     model, optimizer = setup()
+    if optimizer is None:
+        times = _lightning_step_times(model, batches, steps, warmup, device)
+        return statistics.median(times), model
     model.train()
-    lightning = hasattr(model, "training_step")
     times = []
     for step in range(warmup + steps):
         batch = batches[step % len(batches)]
         _sync(device)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = (
-            model.training_step(batch, step)
-            if lightning
-            else F.cross_entropy(model(batch[0]), batch[1])
-        )
-        loss.backward()
+        F.cross_entropy(model(batch[0]), batch[1]).backward()
         optimizer.step()
         _sync(device)
         if step >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times), model
+
+
+class _Cycled:
+    """``batches`` over and over, ``count`` in all: a training loader of known length."""
+
+    def __init__(self, batches: Batches, count: int) -> None:
+        self.batches, self.count = batches, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return (self.batches[i % len(self.batches)] for i in range(self.count))
+
+
+def _lightning_step_times(
+    module: nn.Module, batches: Batches, steps: int, warmup: int, device: torch.device
+) -> list[float]:
+    """Each timed step of ``module`` trained by a Lightning Trainer on ``batches``, from
+    the start of a batch to its end (optimizer, schedulers and logging as the module
+    configures them, ``self.trainer`` there), with the device synchronised at both ends.
+
+    The Trainer leaves the determinism flags as the mode set them, runs no validation and
+    writes nothing."""
+    import lightning as L
+
+    class StepTimer(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.start = 0.0
+
+        def on_train_batch_start(self, *_: object) -> None:
+            _sync(device)
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *_: object) -> None:
+            _sync(device)
+            self.times.append(time.perf_counter() - self.start)
+
+    timer = StepTimer()
+    trainer = L.Trainer(
+        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+        max_steps=warmup + steps, max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, deterministic=None, benchmark=None, callbacks=[timer],
+    )  # fmt: skip
+    with warnings.catch_warnings():  # its loader is ours, not the module's; it has no workers
+        warnings.simplefilter("ignore")
+        trainer.fit(module, train_dataloaders=_Cycled(batches, warmup + steps))
+    return timer.times[warmup:]
 
 
 def paired_step_times(

@@ -10,10 +10,13 @@ repeat, the order alternating between repeats:
 * ``default``: all off, ``cudnn.benchmark=True`` (``deterministic: false``);
 * ``default_no_autotune``: all off, ``cudnn.benchmark=False``.
 
-Workloads: ``pipeline``, the pipeline's own Classifier on the prepared data
-(params.yaml's model and batch size); ``conv``, a heavier convolutional
-network on generated images sized by ``--batch-size``, ``--image-size``,
-``--channels``, ``--width`` (so a GPU gets real work; on CPU keep it small).
+Workloads: ``pipeline``, params.yaml's model on the first four training
+batches of its data (prepared where missing), trained by a Lightning Trainer
+as the module configures it (its optimizers and schedulers, manual
+optimization, ``self.trainer``), a step timed from its batch's start to its
+end; ``conv``, a heavier convolutional network in a plain loop on generated
+images sized by ``--batch-size``, ``--image-size``, ``--channels``,
+``--width`` (so a GPU gets real work; on CPU keep it small).
 
 A run's figure is its median step time. Per mode, ``median_step_s`` is the
 median over repeats of those figures (``step_times_s``);
