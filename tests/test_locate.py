@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -68,3 +69,33 @@ def test_unseeded_initialisation_does_not_matter_and_caller_rng_is_kept() -> Non
     torch.manual_seed(5)
     assert locate_divergence(TinyNet, _batch(), _training_step, seed=0).identical
     assert (random.random(), torch.rand(1).item()) == expected
+
+
+class ReadsTrainer(TinyNet):
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
+        return super().training_step(batch, i) * (1 + self.trainer.current_epoch)
+
+
+class ManualSteps(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def test_the_command_names_a_step_it_cannot_run_outside_a_trainer_in_one_line() -> None:
+    from reprotrain.commands import locate
+    from reprotrain.pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError) as reads:
+        locate_divergence(ReadsTrainer, _batch(), locate._training_step, seed=0)
+    assert "ReadsTrainer: its training_step reads self.trainer" in str(reads.value)
+    with pytest.raises(ConfigError) as manual:
+        locate._check_steppable(ManualSteps(), "project.ManualSteps")
+    assert str(manual.value).startswith(
+        "model.class_path: project.ManualSteps sets automatic_optimization = False"
+    )
+    for refused in (reads, manual):
+        assert "\n" not in str(refused.value) and "reprotrain compare" in str(refused.value)
+    # Control: the same network without them runs, and is let through.
+    assert locate_divergence(TinyNet, _batch(), locate._training_step, seed=0).identical
+    locate._check_steppable(TinyNet(), "project.TinyNet")

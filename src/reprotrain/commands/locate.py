@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.determinism import configure_determinism
 from reprotrain.pipeline.command import Command
-from reprotrain.pipeline.config import Params
+from reprotrain.pipeline.config import ConfigError, Params
 
 if TYPE_CHECKING:  # torch and Lightning load when it runs, not when the CLI reads it
     import torch
@@ -47,7 +47,32 @@ COMMAND = Command(
 def _training_step(module: Any, batch: Any) -> torch.Tensor:
     with warnings.catch_warnings():  # self.log() outside a Trainer only warns
         warnings.filterwarnings("ignore", message=r".*self\.log.*")
-        return module.training_step(batch, 0)
+        try:
+            return module.training_step(batch, 0)
+        except RuntimeError as err:
+            if "not attached to a `Trainer`" not in str(err):
+                raise
+            raise ConfigError(
+                f"model.class_path: {type(module).__qualname__}: its training_step reads "
+                f"self.trainer, which locate's step (outside a Trainer) has not; {INSTEAD}"
+            ) from None
+
+
+#: What to use where locate cannot run a module's step.
+INSTEAD = (
+    "compare two runs' traces with `reprotrain compare` and their op recordings with "
+    "`reprotrain opdiff` instead (docs/rerun-and-compare.md)"
+)
+
+
+def _check_steppable(module: Any, class_path: str) -> None:
+    """Refuse manual optimization: locate compares the gradients of the loss a step returns."""
+    if getattr(module, "automatic_optimization", True) is False:
+        raise ConfigError(
+            f"model.class_path: {class_path} sets automatic_optimization = False: its "
+            f"training_step runs its own backward, and locate differentiates the loss a step "
+            f"returns; {INSTEAD}"
+        )
 
 
 def run(params: Params, args: argparse.Namespace) -> int:
@@ -65,7 +90,9 @@ def run(params: Params, args: argparse.Namespace) -> int:
     batch = move_data_to_device(first_batches(source, 1)[0], device)
 
     def make_module() -> Any:
-        return fresh_model(recipe, linked).to(device)
+        module = fresh_model(recipe, linked).to(device)
+        _check_steppable(module, recipe.model.class_path)
+        return module
 
     result = locate_divergence(make_module, batch, _training_step, seed=params.seed)
     if args.json:
