@@ -33,6 +33,8 @@ from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.own_loaders import (
     OwnLoader,
     defines_own_loader,
+    gives_dataset,
+    gives_split,
     order_problem,
     own_loader,
 )
@@ -79,9 +81,9 @@ def check_recipe(params: Params, recipe: Recipe, scores: bool = True) -> None:
             )
     gives_datasets = []
     for split in SPLITS:
-        if defines_own_loader(data.cls, split):
-            continue
-        if not callable(getattr(data.cls, f"{split}_dataset", None)):
+        if gives_dataset(data.cls, split):
+            gives_datasets.append(split)
+        elif not gives_split(data.cls, split):
             if split not in NEEDED or (split == "test" and not scores):
                 continue  # no validation (or no scoring), as Lightning runs none without one
             fix = "define one of them"
@@ -91,7 +93,6 @@ def check_recipe(params: Params, recipe: Recipe, scores: bool = True) -> None:
                 f"{data.key}.class_path: {data.class_path} defines neither {split}_dataloader() "
                 f"nor {split}_dataset(); {NEEDED[split]}: {fix} ({DOCS})"
             )
-        gives_datasets.append(split)
     if gives_datasets and not defines_own_loader(data.cls, "train"):
         for name, default in LOADER_ARGUMENTS.items():
             if type(data.init_args.get(name, default)) is not int:
@@ -125,7 +126,7 @@ def check_scoring(
             f"model.class_path: {model_path} defines no test_step; {HOOKS['test_step']}: define "
             f"it, or drop the evaluate stage from dvc.yaml ({DOCS})"
         )
-    if not defines_own_loader(source, "test") and not callable(getattr(source, "test_dataset", 0)):
+    if not gives_split(source, "test"):
         raise ConfigError(
             f"{source_key}.class_path: {source_path} defines neither "
             f"test_dataloader() nor test_dataset(); {NEEDED['test']}: define one of them, or drop "
@@ -226,9 +227,8 @@ def check_datasets(datamodule: Any) -> None:
     """Refuse a set-up data source whose ``<split>_dataset()`` is not map-style (where it
     gives one: a split with neither a loader nor a dataset is not used, or was refused)."""
     for split in SPLITS:
-        dataset = getattr(datamodule, f"{split}_dataset", None)
-        if not defines_own_loader(type(datamodule), split) and callable(dataset):
-            map_style(dataset(), split)
+        if gives_dataset(type(datamodule), split):
+            map_style(getattr(datamodule, f"{split}_dataset")(), split)
 
 
 def order_refusal(params: Params, train_loader: OwnLoader | None) -> str | None:

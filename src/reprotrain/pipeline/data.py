@@ -68,6 +68,7 @@ from reprotrain.pipeline.own_loaders import (
     ORDER_GUARANTEES,
     TRAINING_OVERRIDES,
     OwnLoader,
+    gives_split,
     order_problem,
     own_loader,
 )
@@ -188,7 +189,7 @@ class PipelineLoaders(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         """The validation loader; none (an empty list: Lightning validates nothing) when the
         data module defines neither ``val_dataloader`` nor ``val_dataset``."""
-        if self.own("val") is None and not callable(getattr(self.source, "val_dataset", None)):
+        if not gives_split(type(self.source), "val"):
             return []
         return self._evaluation_loader("val")
 

@@ -57,6 +57,17 @@ def defines_own_loader(cls: type, split: str) -> bool:
     return getattr(cls, hook, None) is not getattr(L.LightningDataModule, hook, None)
 
 
+def gives_dataset(cls: type, split: str) -> bool:
+    """Whether the class gives ``split`` as a dataset: ``<split>_dataset()``, and no
+    ``<split>_dataloader`` of its own (which would come first)."""
+    return not defines_own_loader(cls, split) and callable(getattr(cls, f"{split}_dataset", None))
+
+
+def gives_split(cls: type, split: str) -> bool:
+    """Whether the class gives ``split`` at all: its own loader or a dataset."""
+    return defines_own_loader(cls, split) or gives_dataset(cls, split)
+
+
 @dataclass(frozen=True)
 class OwnLoader:
     """A loader a data module returned, and what the pipeline may rebuild it from."""
