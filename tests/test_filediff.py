@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -213,3 +214,88 @@ def test_a_traces_fingerprint_rows_say_differs_without_a_magnitude(tmp_path: Pat
     assert trace.detail_lines() == ["grads: differs"]
     counts = compare_files("counts", a / "counts.safetensors", b / "counts.safetensors", (a, b))
     assert "max |a-b|" in counts.detail_lines()[0]  # negative control: not a trace
+
+
+def test_numpy_values_inside_a_checkpoint_are_tensors_and_their_differences_found(
+    tmp_path: Path,
+) -> None:
+    # A NumPy array and scalar, pickled by torch.save: their placeholders' contents are made
+    # anew at each read, and a freed one's id once hid the second value ("<seen above>").
+    a, b = _runs(tmp_path)
+    for folder, shift in ((a, 0.0), (b, 1.0)):
+        torch.save(
+            {
+                "w": np.ones(4, dtype=np.float32) + shift,
+                "mean": np.float64(0.5 + shift),
+                "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+                "big_endian": np.arange(3, dtype=">i4"),
+                "t": torch.ones(2),
+            },
+            folder / "m.pt",
+        )
+    verdict = compare_files("m.pt", a / "m.pt", b / "m.pt", (a, b))
+    assert verdict.status == "tensors" and verdict.tensors_compared == 5
+    assert [d.name for d in verdict.tensors] == ["mean", "w"]
+    assert verdict.detail_lines() == [
+        "mean: different, max |a-b| 1, rel L2 2",
+        "w: different, max |a-b| 1, rel L2 1",
+    ]
+    from reprotrain.compare.files import _read_checkpoint
+
+    tensors, _, _ = _read_checkpoint(a / "m.pt")
+    assert torch.equal(tensors["fortran"], torch.arange(6.0, dtype=torch.float64).view(2, 3))
+    assert tensors["big_endian"].tolist() == [0, 1, 2]
+    # Control: the same values in both runs are identical.
+    torch.save(torch.load(a / "m.pt", weights_only=False), b / "m.pt")
+    assert compare_files("m.pt", a / "m.pt", b / "m.pt", (a, b)).status == "identical"
+
+
+def test_numpy_files_are_read_as_tensors_without_pickle(tmp_path: Path) -> None:
+    a, b = _runs(tmp_path)
+    for folder, shift in ((a, 0), (b, 1)):
+        np.save(folder / "w.npy", np.arange(4.0) + shift)
+        np.savez(folder / "w.npz", x=np.arange(3) + shift, y=np.zeros(2))
+        np.save(folder / "o.npy", np.array([{"k": shift}], dtype=object), allow_pickle=True)
+    assert file_kind(a / "w.npy") == file_kind(a / "w.npz") == "arrays"
+    npy = compare_files("w.npy", a / "w.npy", b / "w.npy", (a, b))
+    assert npy.status == "tensors" and npy.detail_lines() == [
+        "(array): different, max |a-b| 1, rel L2 0.535"
+    ]
+    npz = compare_files("w.npz", a / "w.npz", b / "w.npz", (a, b))
+    assert npz.status == "tensors" and [d.name for d in npz.tensors] == ["x"]
+    assert npz.tensors_compared == 2
+    objects = compare_files("o.npy", a / "o.npy", b / "o.npy", (a, b))
+    assert objects.status == "unreadable" and "allow_pickle=False" in objects.detail
+    # Control: a file of another kind is still compared by its bytes.
+    (a / "w.bin").write_bytes((a / "w.npy").read_bytes()[8:])
+    (b / "w.bin").write_bytes((b / "w.npy").read_bytes()[8:])
+    assert compare_files("w.bin", a / "w.bin", b / "w.bin", (a, b)).status == "bytes"
+
+
+class Point:
+    """Pickled as a call with its argument: a placeholder whose contents are made per read."""
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+    def __reduce__(self) -> tuple:
+        return (Point, (self.x,))
+
+
+def test_every_differing_field_of_many_placeholders_is_named(tmp_path: Path) -> None:
+    a, b = _runs(tmp_path)
+    for folder, shift in ((a, 0), (b, 1)):
+        torch.save({"points": [Point(i + shift) for i in range(5)]}, folder / "p.pt")
+    verdict = compare_files("p.pt", a / "p.pt", b / "p.pt", (a, b))
+    # Before, freed contents' ids were taken for "seen above": 2 of the 5 were named.
+    assert verdict.fields == [f"points/{i}/args/0: {i} vs {i + 1}" for i in range(5)]
+    # Control: a list that holds one object twice names the second as seen above.
+    twice = Point(7)
+    torch.save({"points": [twice, twice]}, a / "q.pt")
+    torch.save({"points": [twice, Point(8)]}, b / "q.pt")
+    verdict = compare_files("q.pt", a / "q.pt", b / "q.pt", (a, b))
+    assert verdict.fields == [
+        "points/1: missing (not in b)",  # a's "<seen above>"
+        "points/1/args/0: extra (not in a)",
+        "points/1/class: extra (not in a)",
+    ]

@@ -479,6 +479,11 @@ def _step_origin(report: dict[str, Any]) -> str:
 ROWS = 8
 
 
+def _binary_by_bytes(verdict: FileVerdict) -> bool:
+    """A differing binary file of a kind not read as tensors (a pickle): it may hold some."""
+    return verdict.status == "bytes" and not verdict.detail.startswith("text, ")
+
+
 def _text(report: dict[str, Any], verdicts: list[FileVerdict], workdir: Path | None) -> str:
     """The verdict, what differs and where the runs are (``workdir`` None: removed)."""
     verdict = report["verdict"]
@@ -492,7 +497,12 @@ def _text(report: dict[str, Any], verdicts: list[FileVerdict], workdir: Path | N
         return "\n".join(lines)
     lines = [f"reprotrain verify: {verdict}: {report['command']}"]
     if verdict == "DIFFERS OUTSIDE TENSORS":
-        lines.append("  every tensor is equal; these files differ outside tensors:")
+        lines.append(
+            "  no tensor read differs; these files differ outside tensors, or by their bytes "
+            "where they are not read as tensors (safetensors, torch, NumPy files are):"
+            if any(_binary_by_bytes(v) for v in verdicts)
+            else "  every tensor is equal; these files differ outside tensors:"
+        )
     for v in verdicts:
         if v.identical:
             continue

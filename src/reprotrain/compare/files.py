@@ -15,6 +15,9 @@ file is read as its kind:
   ``save_hyperparameters()``, a Hydra config) is read with those classes as
   placeholders that run nothing (:mod:`reprotrain.compare.opaque`): their
   tensors and fields compare like any others, and the verdict names them;
+* ``arrays``: a ``.npy`` file or an ``.npz`` archive of them, array by array as tensors
+  (:mod:`reprotrain.compare.arrays`: no pickled object is read); a NumPy array or
+  scalar inside a checkpoint is a tensor too;
 * ``file``: any other file, by bytes; a text file names its first differing line.
 
 Before comparing, each run's own folder path (as given and resolved) is
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any, Literal
 
+from reprotrain.compare.arrays import is_array_file, pickled_array, read_array_file
 from reprotrain.hashing import METADATA_KEY
 
 if TYPE_CHECKING:  # torch loads only when two files differ (an identical verify stays fast)
@@ -50,7 +54,7 @@ if TYPE_CHECKING:  # torch loads only when two files differ (an identical verify
 
 __all__ = ["FileVerdict", "compare_files", "file_kind", "one_sided"]
 
-Kind = Literal["safetensors", "checkpoint", "file"]
+Kind = Literal["safetensors", "checkpoint", "arrays", "file"]
 Status = Literal["identical", "tensors", "fields", "bytes", "unreadable"]
 PLACEHOLDER = "{out}"
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
@@ -125,6 +129,8 @@ def file_kind(path: Path) -> Kind:
         return "safetensors"
     if path.suffix in CHECKPOINT_SUFFIXES:
         return "checkpoint"
+    if is_array_file(path):
+        return "arrays"
     if zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as archive:
             if any(n.endswith("/data.pkl") for n in archive.namelist()):
@@ -148,7 +154,9 @@ def compare_files(name: str, a: Path, b: Path, folders: tuple[Path, Path]) -> Fi
         return FileVerdict(name, "file", "unreadable", detail=f"{a}: {err.strerror}")
     if kind == "file":
         return _compare_bytes(name, a, b, folders)
-    reader = _read_safetensors if kind == "safetensors" else _read_checkpoint
+    reader = {
+        "safetensors": _read_safetensors, "checkpoint": _read_checkpoint, "arrays": _read_arrays
+    }[kind]  # fmt: skip
     loaded = []
     for path, folder in zip((a, b), folders, strict=True):
         try:
@@ -207,6 +215,8 @@ def _read_errors(kind: Kind) -> tuple[type[BaseException], ...]:
         from safetensors import SafetensorError
 
         return (OSError, ValueError, SafetensorError)
+    if kind == "arrays":  # np.load: a bad header or an object array, a broken archive
+        return (OSError, ValueError, EOFError, zipfile.BadZipFile)
     return _TORCH_READ_ERRORS
 
 
@@ -236,6 +246,17 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]
     return tensors, fields, isinstance(ours, dict) and ours.get("format") == FORMAT
 
 
+def _read_arrays(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """A NumPy file's arrays: tensors, and as fields those torch has no dtype for."""
+    import torch
+
+    tensors: dict[str, Any] = {}
+    fields: dict[str, Any] = {}
+    for name, value in read_array_file(path).items():
+        (tensors if isinstance(value, torch.Tensor) else fields)[name] = value
+    return tensors, fields, False
+
+
 def _read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
     """Tensors and fields by key path; a file that pickles objects of its own classes is
     read with those classes as placeholders (:mod:`reprotrain.compare.opaque`), named in
@@ -258,7 +279,7 @@ def _read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
         raise ValueError(f"not a torch file ({type(err).__name__}: {err})") from err
     tensors: dict[str, Any] = {}
     fields: dict[str, Any] = {}
-    _flatten(loaded, "", tensors, fields, torch.Tensor, Opaque, set())
+    _flatten(loaded, "", tensors, fields, torch.Tensor, Opaque, {})
     if unloaded := [name for name in unloaded if name not in _PATH_CLASSES]:  # read as paths
         fields[NOT_LOADED] = ", ".join(unloaded)
     return tensors, fields, False
@@ -270,19 +291,24 @@ NOT_LOADED = "(classes not loaded)"
 
 def _flatten(
     value: Any, key: str, tensors: dict, fields: dict, tensor_type: type, opaque: type,
-    seen: set[int],
+    seen: dict[int, Any],
 ) -> None:  # fmt: skip
     """Every tensor and every other leaf of nested dicts, lists and placeholders, by key path;
-    an object met again (a parent link) is a field naming where it was first."""
+    an object met again (a parent link) is a field naming where it was first. ``seen`` holds
+    the objects met, not only their ids: a placeholder's contents are made anew at each
+    call, and a freed one's id would be taken by the next, which was never met."""
     if isinstance(value, tensor_type):
         tensors[key or "(tensor)"] = value
+        return
+    if (array := pickled_array(value, opaque)) is not None:
+        _flatten(array, key, tensors, fields, tensor_type, opaque, seen)
         return
     value = _as_path(value, opaque)
     if isinstance(value, dict | list | tuple | opaque) and value:
         if id(value) in seen:
             fields[key] = "<seen above>"
             return
-        seen.add(id(value))
+        seen[id(value)] = value
     if isinstance(value, opaque):
         value = value.contents()
     if isinstance(value, dict) and value:
