@@ -13,7 +13,9 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
+import lightning as L
 import numpy as np
 import psutil
 import pytest
@@ -541,3 +543,71 @@ def test_workers_left_running_by_a_cut_short_start_do_not_hang_the_exit() -> Non
 def test_workers_left_running_hang_pythons_exit_for_good_without_the_stop() -> None:
     """The control: multiprocessing's exit sends them SIGTERM, which they block, and waits."""
     assert not _exits_within(15, "plain")
+
+
+class OneCycle(L.LightningModule):
+    """Sized as Lightning's docs size OneCycleLR: by ``self.trainer.estimated_stepping_batches``,
+    which sets the training loader up before a checkpoint is restored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 2)
+        self.order = torch.Generator().manual_seed(1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        steps = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def train_dataloader(self) -> ResumableLoader:
+        g = torch.Generator().manual_seed(2)
+        data = TensorDataset(
+            torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)
+        )
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        return ResumableLoader(data, batch_size=4, shuffle=True, generator=self.order,
+                               consumed=lambda: progress.processed)  # fmt: skip
+
+
+class Interrupted(Exception):
+    pass
+
+
+class SaveAndStop(L.Callback):
+    """A checkpoint in the middle of epoch 1, as a stop signal's, then the run ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.current_epoch == 1 and args[-1] == 3:
+            trainer.save_checkpoint(self.path)
+            raise Interrupted
+
+
+def _one_cycle_fit(tmp_path: Path, callbacks: list, resume: Path | None = None) -> str:
+    trainer = L.Trainer(
+        max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks, default_root_dir=tmp_path,
+    )  # fmt: skip
+    module = OneCycle()
+    with contextlib.suppress(Interrupted):
+        trainer.fit(module, ckpt_path=resume)
+    return sha256_state_dict(module.state_dict())
+
+
+def test_a_mid_epoch_resume_restores_the_loader_a_scheduler_set_up_early(tmp_path: Path) -> None:
+    from reprotrain.pipeline.resume_point import LoaderStateRestored
+
+    straight = _one_cycle_fit(tmp_path, [LoaderStateRestored()])
+    checkpoint = tmp_path / "epoch=1-step=11.ckpt"
+    _one_cycle_fit(tmp_path, [SaveAndStop(checkpoint)])
+    assert _one_cycle_fit(tmp_path, [LoaderStateRestored()], checkpoint) == straight
+    # Control: Lightning alone never applies the loader's state here; the epoch trains
+    # other batches (the user's report: the same run ID, other weights).
+    assert _one_cycle_fit(tmp_path, [], checkpoint) != straight

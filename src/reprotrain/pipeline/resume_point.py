@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning as L
+
 from reprotrain.pipeline.run_record import without_num_workers
 from reprotrain.provenance.identity import run_id
 from reprotrain.resume import (
@@ -102,3 +104,27 @@ def _workers_stamp_of(run_dir: Path) -> tuple[Path | None, dict[str, Any] | None
             stamp = load_checkpoint_file(newest).get(WORKERS_KEY)
             return newest, stamp if isinstance(stamp, dict) else None
     return None, None
+
+
+class LoaderStateRestored(L.Callback):
+    """The training loader's saved state applied on a mid-epoch resume, whenever Lightning
+    set the loader up.
+
+    Lightning 2.6 applies a checkpoint's loader state (a
+    :class:`~reprotrain.pipeline.data.ResumableLoader`'s epoch generator and consumed
+    batches) when ``FitLoop.setup_data`` sets the loader up, then makes the epoch's
+    iterator. A module whose ``configure_optimizers`` reads
+    ``self.trainer.estimated_stepping_batches`` (Lightning's documented way to size
+    ``OneCycleLR``) sets it up earlier, before the checkpoint is restored: the iterator
+    drew a fresh epoch's order, the later call returns at once, and the state was never
+    applied, so the resumed epoch trained other batches. At ``on_train_start`` (after the
+    restore, before the first batch) a state still pending is applied and the iterator
+    made again from it; where Lightning applied it, none is pending and this does nothing.
+    """
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loop = trainer.fit_loop  # Lightning 2.6's, as the locks pin
+        if not (loop.restarting and loop._combined_loader_states_to_load):
+            return
+        loop._load_combined_loader_states()
+        iter(loop._data_fetcher)  # the iterator the early set-up made drew before the restore

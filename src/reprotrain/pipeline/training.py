@@ -70,7 +70,7 @@ from reprotrain.pipeline.errors import DataError, Interrupted
 from reprotrain.pipeline.own_loaders import OwnLoader
 from reprotrain.pipeline.preflight import check_accelerator
 from reprotrain.pipeline.recipe import Recipe, build, hooks_skipped
-from reprotrain.pipeline.resume_point import WORKERS_KEY, Checkpointing
+from reprotrain.pipeline.resume_point import WORKERS_KEY, Checkpointing, LoaderStateRestored
 from reprotrain.resume import (
     InterruptCheckpoint,
     RandomStateCallback,
@@ -149,7 +149,8 @@ def fit(
     logger = MemoryLogger(training_metrics=not invariant)
     resume_from = checkpointing.resume_from if checkpointing else None
     losses = TrainLossLogger()
-    chosen: list[L.Callback] = [MetricLevels(logger), losses, *_op_recorder()]
+    chosen: list[L.Callback] = [MetricLevels(logger), losses, LoaderStateRestored()]
+    chosen += _op_recorder()
     if ddp or invariant:
         identity = checkpointing.run_id if checkpointing else None
         facts = {"run_id": identity, "resume_from": resume_from and resume_from.name}
