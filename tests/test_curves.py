@@ -153,3 +153,23 @@ def test_a_metric_logged_at_some_steps_has_rows_at_those_steps_where_lightning_r
     control = MemoryLogger()
     _fit([], control, Sparse())
     assert control.rows("sparse") == [(0, 0.0), (1, 0.0), (2, 2.0), (3, 2.0)]
+
+
+class OwnStep(Logs):
+    """Logs a metric named ``step`` (Lightning's x-axis override): the batch's index."""
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+        self.log("step", float(index))
+        return super().training_step(batch, index)
+
+
+def test_a_metric_named_step_does_not_take_the_place_of_the_trainers_step() -> None:
+    logger = MemoryLogger()
+    _fit([MetricLevels(logger), TrainLossLogger()], logger, OwnStep())
+    losses = logger.rows("train_loss")
+    assert [step for step, _ in losses] == [0, 1, 2, 3]  # every step of both epochs
+    # Control: the step Lightning passes is the module's (0, 1, 0, 1): the second epoch's
+    # rows fell on the first's indexes and were dropped.
+    control = MemoryLogger()
+    _fit([TrainLossLogger()], control, OwnStep())
+    assert [step for step, _ in control.rows("train_loss")] == [0, 1]

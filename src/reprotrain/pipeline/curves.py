@@ -83,8 +83,9 @@ class MemoryLogger(Logger):
         self._rows: list[tuple[str, int, str, float]] = []
         self._held: set[tuple[str, int, str]] = set()  # each row's (level, index, name)
         self.training_metrics = training_metrics
-        #: What Lightning flushes next (set by :class:`MetricLevels`) and the epoch it is in.
-        self.level, self.epoch = STEP, 0
+        #: What Lightning flushes next (set by :class:`MetricLevels`), the epoch it is in,
+        #: and the training loop whose step count indexes step rows.
+        self.level, self.epoch, self.loop = STEP, 0, None
 
     @property
     def name(self) -> str:
@@ -102,7 +103,12 @@ class MemoryLogger(Logger):
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         if self.level == SKIP:
             return
-        index = int(step or 0) if self.level == STEP else self.epoch
+        index = self.epoch
+        if self.level == STEP:
+            # The batches that stepped, as Lightning counts them for its own step; not
+            # ``step``, which is a module's own where it logs a metric named "step"
+            # (Lightning's x-axis override): rows of equal indexes would be dropped.
+            index = self.loop._batches_that_stepped if self.loop is not None else int(step or 0)
         self.add(self.level, index, self.kept(self.level, metrics))
 
     def kept(self, level: str, metrics: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -156,6 +162,7 @@ class MetricLevels(L.Callback):
 
     def _set(self, trainer: L.Trainer, level: str) -> None:
         self.logger.level, self.logger.epoch = level, trainer.current_epoch
+        self.logger.loop = trainer.fit_loop.epoch_loop  # Lightning 2.6, as the locks pin
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._set(trainer, STEP)
