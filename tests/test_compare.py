@@ -639,3 +639,20 @@ def test_json_weights_equal_is_null_unless_weights_were_compared(tmp_path: Path)
     # controls: weights compared say what they found
     assert weights_equal(weights[0], same) is True
     assert weights_equal(weights[0], weights[1]) is False
+
+
+def test_differing_run_inputs_come_before_the_traces_kernel_diagnosis() -> None:
+    from reprotrain.provenance.envdiff import InputDiff
+
+    a = _synthetic()
+    trace = compare_traces(a, _changed(a, "loss", 3))
+    changed = [InputDiff("recipe.model.init_args.optim.momentum", 0.9, 0.5)]
+    lines = ComparisonReport(trace=trace, inputs=changed).to_text().splitlines()
+    assert lines[:2] == [
+        "run inputs that differ (1), the likely explanation:",
+        "  recipe.model.init_args.optim.momentum: 0.9 -> 0.5",
+    ]
+    assert "as if the inputs were equal" in lines[-1]
+    # Control: with equal inputs the trace leads, and nothing is said of inputs.
+    alone = ComparisonReport(trace=trace).to_text()
+    assert alone.startswith(trace.to_text()) and "inputs" not in alone

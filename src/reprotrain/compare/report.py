@@ -53,11 +53,14 @@ class ComparisonReport:
 
     def to_text(self) -> str:
         parts = []
-        if self.trace is not None:
-            parts.append(self.trace.to_text())
-        if self.inputs:
+        if self.inputs:  # first: where the runs had other inputs, they are the explanation
             parts.append(f"run inputs that differ ({len(self.inputs)}), the likely explanation:")
             parts += [f"  {d.to_text()}" for d in self.inputs]
+        if self.trace is not None:
+            trace = self.trace.to_text()
+            if self.inputs and not self.trace.identical:
+                trace += "\n  (the diagnosis reads the fingerprints as if the inputs were equal)"
+            parts.append(trace)
         if self.weights:
             equal = sum(d.equal for d in self.weights)
             parts.append(f"final weights: {equal}/{len(self.weights)} tensors bitwise equal")
