@@ -583,3 +583,29 @@ def test_a_deep_copy_is_identical_whatever_its_fresh_storage_held(tmp_path: Path
     tensors, meta = load_safetensors(a)
     names = [meta["strings"][row[2]] for row in tensors["ops"].tolist()]
     assert "aten.set_.source_Storage" in names  # the copy was recorded
+
+
+def test_configure_determinism_applies_the_profile_run_started_the_script_under(
+    tmp_path: Path,
+) -> None:
+    code = (
+        "import torch; from reprotrain.determinism import configure_determinism; "
+        "s = configure_determinism(0); "
+        "print((s.cpu_profile or {}).get('profile'), torch.backends.mkldnn.enabled)"
+    )
+    done = run_cli("run", "--cpu-profile", "portable", "--", sys.executable, "-c", code,
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["portable", "False"]  # oneDNN off, in the record
+    # Control: started without a profile, the script gets none.
+    plain = run_cli("run", "--", sys.executable, "-c", code, cwd=tmp_path)
+    assert plain.returncode == 0 and plain.stdout.split() == ["None", "True"], plain.stderr
+
+
+def test_a_launched_profile_variable_that_is_not_name_and_threads_is_named() -> None:
+    from reprotrain.cpuprofile import CpuProfile, launched_profile
+
+    assert launched_profile({"REPROTRAIN_CPU_PROFILE": "native:2"}) == CpuProfile("native", 2)
+    assert launched_profile({}) is None
+    with pytest.raises(ValueError, match=r"^REPROTRAIN_CPU_PROFILE=fast:1: CPU profile 'fast'"):
+        launched_profile({"REPROTRAIN_CPU_PROFILE": "fast:1"})

@@ -110,6 +110,28 @@ def openblas_library() -> Path:
     return paths[0]
 
 
+#: The profile a launcher (``reprotrain run --cpu-profile``) started the process under, as
+#: ``name:threads``: what :func:`launched_profile` reads for ``configure_determinism``.
+LAUNCHED = "REPROTRAIN_CPU_PROFILE"
+
+
+def launched_profile(environ: Mapping[str, str] = os.environ) -> CpuProfile | None:
+    """The profile :data:`LAUNCHED` names; None where it is not set.
+
+    Raises ValueError naming the variable when its value is not ``name:threads``.
+    """
+    if LAUNCHED not in environ:
+        return None
+    name, _, threads = environ[LAUNCHED].partition(":")
+    try:
+        return CpuProfile(name, int(threads or "1"))
+    except ValueError as err:
+        raise ValueError(
+            f"{LAUNCHED}={environ[LAUNCHED]}: {err}; reprotrain run sets it "
+            "(portable:1), or unset it"
+        ) from None
+
+
 #: Variables a profile leaves alone but that would change kernels if it did not neutralise them.
 NEUTRALISED = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 

@@ -242,7 +242,9 @@ def configure_determinism(
     ``mode`` is ``True`` (fail closed), ``"warn"`` (same flags, problems and
     non-deterministic ops become warnings) or ``False`` (fast: autotuning on).
     ``cpu_profile`` (:mod:`reprotrain.cpuprofile`) also fixes the CPU kernels and
-    threads; its variables must have been exported at process start.
+    threads; its variables must have been exported at process start. None: the profile
+    ``reprotrain run --cpu-profile`` started the process under, if it did
+    (:func:`~reprotrain.cpuprofile.launched_profile`).
     ``fill_uninitialized_memory``: torch's fill of fresh tensors under deterministic
     algorithms (off by default: :data:`SETTING_REASONS`).
     Raises :class:`DeterminismError` in ``True`` mode when a precondition in
@@ -253,6 +255,10 @@ def configure_determinism(
     enabled = mode is not False
     hash_ok = hash_seed_fixed_at_start()
     cuda_up = _cuda_initialized()
+    if cpu_profile is None:
+        from reprotrain.cpuprofile import launched_profile
+
+        cpu_profile = launched_profile()
     problems: list[str] = cpu_profile.apply() if cpu_profile is not None else []
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])

@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 
-from reprotrain.cpuprofile import CpuProfile
+from reprotrain.cpuprofile import LAUNCHED, CpuProfile
 from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS, FIXED_HASH_SEED
 from reprotrain.pipeline.command import Command
 from reprotrain.pipeline.errors import DataError
@@ -79,6 +79,7 @@ def launch_variables(profile: str | None = None, threads: int = 1) -> dict[str, 
     }
     if profile is not None:
         fixed.update(CpuProfile(profile, threads).variables())
+        fixed[LAUNCHED] = f"{profile}:{threads}"  # configure_determinism applies it in-process
     return fixed
 
 
