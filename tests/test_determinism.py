@@ -293,3 +293,20 @@ def test_fill_of_fresh_tensors_is_off_unless_asked_for_and_every_setting_says_wh
     assert filled.fill_uninitialized_memory and torch.isnan(torch.empty(64)).all()  # the control
     configure_determinism(seed=5, mode=True)
     assert not torch.utils.deterministic.fill_uninitialized_memory
+
+
+def test_a_program_read_from_standard_input_is_not_restarted_into_nothing(tmp_path: Path) -> None:
+    program = (
+        "from reprotrain.determinism import reexec_with_fixed_hash_seed\n"
+        "reexec_with_fixed_hash_seed()\nprint('restarted')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    piped = subprocess.run([sys.executable, "-"], input=program, text=True, capture_output=True,
+                           env=env, cwd=tmp_path)  # fmt: skip
+    assert piped.returncode == 1 and piped.stdout == ""
+    assert "cannot restart this process: it read its program from standard input" in piped.stderr
+    # Control: the same program as a file restarts and runs to its end.
+    (tmp_path / "script.py").write_text(program)
+    script = subprocess.run([sys.executable, "script.py"], text=True, capture_output=True,
+                            env=env, cwd=tmp_path)  # fmt: skip
+    assert script.returncode == 0 and script.stdout == "restarted\n", script.stderr

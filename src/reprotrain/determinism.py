@@ -188,10 +188,20 @@ def reexec_with_fixed_hash_seed(variables: Mapping[str, str] | None = None) -> N
     cuBLAS sees it from the first handle on. ``variables`` are others that only
     work from process start, e.g. a :class:`~reprotrain.cpuprofile.CpuProfile`'s
     ``variables()``; they replace exported values. Never returns when it restarts.
+
+    Raises :class:`DeterminismError` where the program cannot be started again: read
+    from standard input (``python -``, a pipe), an interactive session or a notebook's
+    kernel (a restart would lose it, or run nothing, silently).
     """
     wanted = dict(variables or {})
     if hash_seed_fixed_at_start() and all(os.environ.get(k) == v for k, v in wanted.items()):
         return
+    if why := _cannot_restart():
+        raise DeterminismError(
+            f"reexec_with_fixed_hash_seed: cannot restart this process: {why}; start Python "
+            "with the variables set instead (PYTHONHASHSEED=0 python script.py, or "
+            "reprotrain run -- python script.py)"
+        )
     env = {**os.environ, **wanted, "PYTHONHASHSEED": FIXED_HASH_SEED}
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
     # sys.orig_argv is the interpreter's own command line (python, -m/script, args...).
@@ -199,6 +209,15 @@ def reexec_with_fixed_hash_seed(variables: Mapping[str, str] | None = None) -> N
     if os.environ.get("REPROTRAIN_ZYGOTE"):  # the test suite's warm interpreter
         importlib.import_module("reprotrain._zygote").hand_over(argv, env)  # returns: exec
     os.execve(sys.executable, argv, env)
+
+
+def _cannot_restart() -> str | None:
+    """Why this interpreter's command line would not run this program again, if so."""
+    if "ipykernel" in sys.modules or sys.flags.interactive:
+        return "it is interactive (a notebook's kernel, python -i)"
+    if sys.argv[:1] in ([""], ["-"]):
+        return "it read its program from standard input (a pipe, python -, a prompt)"
+    return None
 
 
 def _cuda_initialized() -> bool:
