@@ -609,3 +609,14 @@ def test_a_launched_profile_variable_that_is_not_name_and_threads_is_named() -> 
     assert launched_profile({}) is None
     with pytest.raises(ValueError, match=r"^REPROTRAIN_CPU_PROFILE=fast:1: CPU profile 'fast'"):
         launched_profile({"REPROTRAIN_CPU_PROFILE": "fast:1"})
+
+
+def test_opdiff_finds_the_recordings_in_a_run_folders_ops_folder(tmp_path: Path) -> None:
+    _record(tmp_path / "run-0-ops" / "ops")
+    _record(tmp_path / "run-1-ops" / "ops", noise=1.0)
+    done = run_cli("opdiff", "run-0-ops", "run-1-ops", cwd=tmp_path)  # as verify keeps them
+    assert done.returncode == 1 and "first differing op" in done.stdout, done.stdout + done.stderr
+    # Control: a folder with no recording here nor in its ops/ says what to pass.
+    (tmp_path / "empty").mkdir()
+    empty = run_cli("opdiff", "empty", "run-1-ops", cwd=tmp_path)
+    assert empty.returncode == 2 and "here or in its ops/ folder" in empty.stderr

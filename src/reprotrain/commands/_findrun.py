@@ -82,8 +82,10 @@ def run_in_folder(folder: Path, label: str | None = None) -> RunFiles:
     paths = {name: folder / rel for name, rel in layout.items()}
     if not paths["model"].is_file():
         raise DataError(
-            f"{paths['model']}: no trained model in {folder}; pass a run folder "
-            "(`reprotrain verify` keeps them), a repository after `dvc repro`, or a git revision"
+            f"{paths['model']}: no trained model in {folder}; a folder of any script's outputs "
+            "needs --model (and --trace) naming its files inside it, e.g. --model "
+            "model.safetensors; else pass a repository after `dvc repro`, a folder the "
+            "pipeline's `reprotrain verify` kept, or a git revision"
         )
     return RunFiles(
         label or str(folder),

@@ -234,13 +234,25 @@ def _out_of_range(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> str | 
     return None
 
 
+def _rank_files(folder: Path) -> dict[int, Path]:
+    """rank -> recording file in ``folder`` (none where it is not a folder)."""
+    if not folder.is_dir():
+        return {}
+    return {int(m.group(1)): p for p in folder.iterdir() if (m := _RANK_FILE.match(p.name))}
+
+
 def load_recordings(where: str | Path) -> dict[int, LoadedRecording]:
     """rank -> recording, from one file or a folder of the files :func:`recording_path` names."""
     path = Path(where)
+    if path.is_dir() and not _rank_files(path) and _rank_files(path / "ops"):
+        path = path / "ops"  # a run folder: `verify` keeps the recordings in RUN-ops/ops
     if path.is_dir():
-        files = {int(m.group(1)): p for p in path.iterdir() if (m := _RANK_FILE.match(p.name))}
+        files = _rank_files(path)
         if not files:
-            raise OpRecordError(f"{path}: no {_PREFIX}<R>{_SUFFIX} in this folder; pass one")
+            raise OpRecordError(
+                f"{path}: no {_PREFIX}<R>{_SUFFIX} here or in its ops/ folder; pass a recording "
+                "file, or the folder an OpRecorder or `reprotrain verify` wrote them to"
+            )
     elif path.is_file():
         files = {-1: path}
     else:
