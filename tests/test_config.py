@@ -15,7 +15,7 @@ from reprotrain.pipeline.config import (
     parse_params,
     render_defaults,
 )
-from tests.helpers import DELETE, params_with, run_cli, run_in_process
+from tests.helpers import DELETE, ROOT, params_with, run_cli, run_in_process
 
 
 def _defaults() -> dict:
@@ -237,3 +237,27 @@ def test_16_mixed_stays_allowed_on_a_gpu_and_bf16_mixed_on_the_cpu() -> None:
     raw["train"]["accelerator"] = "gpu"
     assert parse_params(raw).train.precision == "16-mixed"
     assert parse_params(_with("train.precision", "bf16-mixed")).train.precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize(
+    ("key", "instead"),
+    [
+        ("gradient_clip_val", "configure_gradient_clipping"),
+        ("accumulate_grad_batches", "raise the data's batch_size"),
+        ("max_steps", "whole epochs (train.max_epochs)"),
+        ("val_check_interval", "validates after each"),
+    ],
+)
+def test_a_trainer_argument_under_train_says_what_to_do_instead(key: str, instead: str) -> None:
+    for source in ("file", "override"):
+        with pytest.raises(ConfigError) as refused:
+            if source == "file":
+                parse_params(params_with({f"train.{key}": 1}))
+            else:
+                load_params(ROOT / "params.yaml", [f"train.{key}=1"])
+        line = str(refused.value)
+        assert f"'train.{key}' is a Lightning Trainer argument" in line and instead in line
+        assert "\n" not in line
+    # Control: a key that is no Trainer argument is an unknown key, as before.
+    with pytest.raises(ConfigError, match=r"unknown key 'train\.bogus'"):
+        load_params(ROOT / "params.yaml", ["train.bogus=1"])

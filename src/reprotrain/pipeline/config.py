@@ -292,8 +292,39 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
             raise ConfigError(f"override {item!r}: unknown key {key!r}; {DEFAULTS_HINT} lists them")
         node = child
     if leaf not in node and parents[-1:] != ["init_args"]:
+        if hint := _trainer_only(key):
+            raise ConfigError(f"override {item!r}: {hint}")
         raise ConfigError(f"override {item!r}: unknown key {key!r}; {DEFAULTS_HINT} lists them")
     node[leaf] = yaml.safe_load(text)
+
+
+_WHOLE_EPOCHS = "the pipeline trains whole epochs (train.max_epochs) and validates after each"
+_STEP_LIMITS = (
+    *("max_steps", "min_steps", "min_epochs", "max_time", "limit_train_batches"),
+    *("limit_val_batches", "val_check_interval", "check_val_every_n_epoch"),
+)
+#: Lightning Trainer arguments a user may write under ``train``, and what to do instead.
+TRAINER_ONLY = {
+    **dict.fromkeys(
+        ("gradient_clip_val", "gradient_clip_algorithm"),
+        "clip in the module: configure_gradient_clipping, calling self.clip_gradients",
+    ),
+    "accumulate_grad_batches": "the pipeline sets it itself (world-size invariance uses it); "
+    "raise the data's batch_size instead",
+    **dict.fromkeys(_STEP_LIMITS, _WHOLE_EPOCHS),
+    "deterministic": "set the top-level deterministic key (true, warn or false)",
+    "benchmark": "the top-level deterministic key decides it",
+}
+
+
+def _trainer_only(key: str) -> str | None:
+    """What to do instead of ``key``, where it is a Trainer argument written under ``train``."""
+    section, _, name = key.partition(".")
+    if section != "train" or name not in TRAINER_ONLY:
+        return None
+    return (
+        f"'{key}' is a Lightning Trainer argument the pipeline does not take: {TRAINER_ONLY[name]}"
+    )
 
 
 def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
@@ -308,6 +339,8 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
     for name in raw:
         if name not in fields:
             allowed = ", ".join(fields)
+            if hint := _trainer_only(prefix + name):
+                raise ConfigError(f"{source}: {hint}; remove it (allowed here: {allowed})")
             raise ConfigError(
                 f"{source}: unknown key '{prefix}{name}'; remove or rename it (allowed here: "
                 f"{allowed})"
