@@ -3,11 +3,12 @@
 End to end through ``dvc repro`` in tests/test_user_project.py (a refusal only
 train can make leaves the earlier outputs byte for byte) and
 tests/test_evaluate.py (a failed evaluate leaves ``metrics.json``); here the
-rules: only under ``dvc repro`` (the control: by hand nothing is kept), only
-what is missing is put back, a success drops what was kept, nothing outside
-the pipeline's folder is touched; the env stage keeps both stages' outputs;
-and the error says once, on its one line, that they are back (a traceback:
-on the line after the exception's, never inside its message).
+rules: only under ``dvc repro`` (the control: by hand nothing is kept), the
+earlier outputs replace what a failed run wrote (and what it wrote of an output
+nothing was kept of goes), a success drops what was kept, nothing outside the
+pipeline's folder is touched; the env stage keeps both stages' outputs; and the
+error says once, on its one line, that they are back (a traceback: on the line
+after the exception's, never inside its message).
 """
 
 from __future__ import annotations
@@ -53,16 +54,23 @@ def test_what_dvc_deleted_is_put_back_after_a_failure(pipeline: Path) -> None:
     assert (pipeline / "reports" / "plots" / "train" / "val.csv").read_text() == "epoch\n"
 
 
-def test_only_missing_outputs_are_put_back_and_a_success_drops_what_was_kept(
-    pipeline: Path,
-) -> None:
+def test_what_a_failed_run_wrote_gives_way_to_the_earlier_outputs(pipeline: Path) -> None:
+    keep(OUTPUTS)
+    _deleted_by_dvc(pipeline)
+    (pipeline / "models" / "model.safetensors").write_bytes(b"new")  # written, then it failed
+    (pipeline / "reports" / "metrics.json").write_text("{}")  # of an output nothing was kept of
+    assert put_back([*OUTPUTS, Path("reports/metrics.json")]) == OUTPUTS
+    assert (pipeline / "models" / "model.safetensors").read_bytes() == b"weights"
+    assert not (pipeline / "reports" / "metrics.json").exists()  # nothing partial stays
+
+
+def test_a_success_drops_what_was_kept(pipeline: Path) -> None:
     keep(OUTPUTS)
     (pipeline / "models" / "model.safetensors").unlink()
     (pipeline / "models" / "model.safetensors").write_bytes(b"new")  # written by the stage
-    assert put_back(OUTPUTS) == []
-    assert (pipeline / "models" / "model.safetensors").read_bytes() == b"new"
     drop(OUTPUTS)
     assert not [p for p in (pipeline / KEPT).rglob("*") if p.is_file()]
+    assert (pipeline / "models" / "model.safetensors").read_bytes() == b"new"
 
 
 def test_by_hand_nothing_is_kept_or_put_back(

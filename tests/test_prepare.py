@@ -64,6 +64,9 @@ BAD = {
     "wrong_shape": ({"x": np.zeros((10, 4)), "y": np.zeros(10, int)}, "x has shape (10, 4)"),
     "float_labels": ({"x": np.zeros((10, 4, 4)), "y": np.zeros(10)}, "y has shape (10,) and dtype"),
     "nan": ({"x": np.full((10, 4, 4), np.nan), "y": np.zeros(10, int)}, "NaN or infinite"),
+    # finite as float64, infinite as the float32 the pipeline trains on
+    "overflow": ({"x": np.full((10, 4, 4), 1e300), "y": np.zeros(10, int)}, "NaN or infinite"),
+    "no_channels": ({"x": np.zeros((10, 0, 4, 4)), "y": np.zeros(10, int)}, "(C >= 1"),
     "negative_label": ({"x": np.zeros((10, 4, 4)), "y": -np.ones(10, int)}, "negative labels"),
     "missing_y": ({"x": np.zeros((10, 4, 4))}, "missing array(s) ['y']"),
     "empty_split": ({"x": np.zeros((2, 4, 4)), "y": np.zeros(2, int)}, "give an empty split"),

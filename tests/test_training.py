@@ -39,7 +39,7 @@ from reprotrain.determinism import configure_determinism
 from reprotrain.hashing import load_safetensors
 from reprotrain.pipeline.config import ConfigError, parse_params
 from reprotrain.pipeline.curves import MemoryLogger
-from reprotrain.pipeline.errors import Interrupted
+from reprotrain.pipeline.errors import DataError, Interrupted
 from reprotrain.pipeline.recipe import hooks_skipped, resolve_recipe
 from reprotrain.pipeline.resume_point import Checkpointing, find_resume_point
 from reprotrain.pipeline.train_files import write_outputs
@@ -681,3 +681,14 @@ def test_a_module_with_its_own_data_trains_the_same_bits_on_one_and_two_ranks_un
     ddp = _train_cli(tmp_path / "ddp", "Standalone", env_record, **two_ranks)
     assert ddp.returncode == 0, ddp.stderr
     assert not torch.equal(_weights(tmp_path / "ddp")["head.weight"], runs[1]["head.weight"])
+
+
+def test_a_run_that_diverged_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    with pytest.raises(DataError) as refused:
+        _train(tmp_path / "diverged", "Net", lr=1e30)
+    line = str(refused.value)
+    assert line.startswith("training diverged: ") and "no output written" in line, line
+    assert "\n" not in line
+    assert not [p for p in (tmp_path / "diverged").glob("*") if p.name != "ckpt"]
+    # Control: the same module at a learning rate that converges writes its outputs.
+    assert (_train(tmp_path / "control", "Net", lr=0.1) / "metrics.json").exists()

@@ -15,9 +15,11 @@ stage's command), the env stage, once its checks pass, hard-links the train
 and evaluate stages' current outputs (as their command lines in ``dvc.yaml``
 name them) into ``.dvc/tmp/reprotrain-kept/`` (a copy where no hard link can
 be made; DVC writes a new file rather than into an old one, so the link keeps
-the old bytes). A stage that fails in any way moves each of its outputs that
-is missing back and notes so on its error (:func:`note_put_back`); one that
-succeeds drops what was kept for it. A failed evaluate after a train that
+the old bytes). A stage that fails in any way moves each of its kept outputs
+back, in place of whatever the failed run wrote of it (a model written before
+the metrics failed), removes what it wrote of an output nothing was kept of
+(nothing partial stays), and notes so on its error (:func:`note_put_back`);
+one that succeeds drops what was kept for it. A failed evaluate after a train that
 succeeded puts back the metrics of the earlier weights, as ``dvc.lock``'s
 evaluate entry still records them. ``reprotrain train`` or ``evaluate`` run by
 hand keeps and restores nothing.
@@ -96,18 +98,25 @@ def keep(outputs: Iterable[Path]) -> list[Path]:
 
 
 def put_back(outputs: Iterable[Path]) -> list[Path]:
-    """Move each missing output back from :func:`kept_folder`; return those restored."""
+    """Move each kept output back from :func:`kept_folder` in place of what the failed run
+    wrote of it, and remove what it wrote of the others; return those restored."""
     folder = kept_folder()
     restored = []
     for output in _inside(outputs) if folder is not None else []:
         source = folder / output  # type: ignore[operator]
-        if output.is_dir() and not any(output.iterdir()):
-            output.rmdir()  # made by the failed run, nothing in it
-        if source.exists() and not output.exists():
+        _remove(output)  # DVC deleted it before the stage ran: this is the failed run's
+        if source.exists():
             output.parent.mkdir(parents=True, exist_ok=True)
             source.replace(output)
             restored.append(output)
     return restored
+
+
+def _remove(output: Path) -> None:
+    if output.is_dir() and not output.is_symlink():
+        shutil.rmtree(output)
+    else:
+        output.unlink(missing_ok=True)
 
 
 def note_put_back(err: BaseException, restored: list[Path]) -> None:

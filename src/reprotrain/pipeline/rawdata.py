@@ -70,9 +70,10 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     x, y = arrays["x"], arrays["y"]
     if x.ndim == 3:
         x = x[:, None]
-    if x.ndim != 4 or min(x.shape[2:]) < 2:
+    if x.ndim != 4 or min(x.shape[2:]) < 2 or x.shape[1] < 1:
         raise DataError(
-            f"{path}: x has shape {x.shape}; expected N x H x W or N x C x H x W (H, W >= 2); "
+            f"{path}: x has shape {x.shape}; expected N x H x W or N x C x H x W (C >= 1, "
+            "H, W >= 2); "
             "save x as a stack of images"
         )
     if x.dtype.kind not in "fiu":
@@ -82,8 +83,12 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
             f"{path}: y has shape {y.shape} and dtype {y.dtype}; save y as {len(x)} integer "
             "labels, one per image in x"
         )
-    if not np.isfinite(x).all():
-        raise DataError(f"{path}: x contains NaN or infinite values; clean the data")
+    images = x.astype(np.float32)  # checked as trained: float64's 1e300 is float32's inf
+    if not np.isfinite(images).all():
+        raise DataError(
+            f"{path}: x contains NaN or infinite values as float32 (beyond +-3.4e38); clean "
+            "the data"
+        )
     if len(y) and y.min() < 0:
         raise DataError(
             f"{path}: y has negative labels (min {y.min()}); renumber the classes 0..K-1"
@@ -93,7 +98,7 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
             f"{path}: y has label {y.max()} for {len(y)} samples; labels are class indices: "
             "renumber the classes 0..K-1"
         )
-    return x.astype(np.float32), y.astype(np.int64)
+    return images, y.astype(np.int64)
 
 
 def split_sizes(n: int, prepare: PrepareConfig, source: str) -> tuple[int, int, int]:

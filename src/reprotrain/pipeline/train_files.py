@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from reprotrain.determinism import DeterminismSettings
 from reprotrain.hashing import canonical_json, safetensors_metadata
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.curves import EPOCH, STEP, TRAIN_LOSS
+from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -40,10 +42,15 @@ def write_outputs(
     rebuild the module, and nothing of one recipe's own. The metrics hold the
     epochs and steps trained (as the trainer counts them, whatever was
     logged), the last ``train_loss`` (absent if no step had a loss) and the
-    last value of each metric the module logged.
+    last value of each metric the module logged (``null`` where it is not finite: JSON
+    has no NaN). Every file's content is made before the first is written.
+
+    Raises DataError, writing nothing, where training diverged: a ``train_loss`` or a
+    floating-point weight that is not finite.
     """
     state = fitted.module.state_dict()
     weights = {name: t.detach().cpu().contiguous() for name, t in state.items()}
+    refuse_diverged(fitted.logger.rows(TRAIN_LOSS), weights)
     recorded = resolved_params(params, recipe, fitted.linked)
     if params.train.world_size_invariant:
         # The layout and the worker count did not decide these weights: record one process
@@ -67,11 +74,32 @@ def write_outputs(
         **{name: logger.rows(name)[-1][1] for name in step_names if name != TRAIN_LOSS},
         **last,
     }
+    texts = {
+        args.metrics: canonical_json(
+            {k: v if math.isfinite(v) else None for k, v in metrics.items()}
+        ),
+        args.plots / "train_loss.csv": _csv(("step", *step_names), step_rows),
+        args.plots / "val.csv": _csv(("epoch", *epoch_names), epoch_rows),
+    }
     atomic_write_safetensors(args.model, weights, metadata)
-    atomic_write_text(args.metrics, canonical_json(metrics))
-    atomic_write_text(args.plots / "train_loss.csv", _csv(("step", *step_names), step_rows))
-    atomic_write_text(args.plots / "val.csv", _csv(("epoch", *epoch_names), epoch_rows))
+    for path, text in texts.items():
+        atomic_write_text(path, text)
     return {"model": args.model, "metrics": args.metrics}
+
+
+def refuse_diverged(losses: list[tuple[int, float]], weights: dict[str, Any]) -> None:
+    """Raise DataError where the loss or a floating-point weight is not finite."""
+    bad_loss = next(((step, value) for step, value in losses if not math.isfinite(value)), None)
+    bad = [n for n, t in weights.items() if t.is_floating_point() and not t.isfinite().all()]
+    if bad_loss is None and not bad:
+        return
+    found = [f"train_loss is {bad_loss[1]} first at step {bad_loss[0]}"] if bad_loss else []
+    if bad:
+        found.append(f"{len(bad)} weight tensors are not finite ({bad[0]} first)")
+    raise DataError(
+        f"training diverged: {' and '.join(found)}; no output written: lower the learning rate "
+        "(under model.init_args) or check the data for extreme values"
+    )
 
 
 def resolved_params(params: Params, recipe: Recipe, linked: dict[str, Any]) -> dict[str, Any]:
