@@ -219,3 +219,18 @@ def test_the_emulated_aten_level_holds_in_pytest_processes_only() -> None:
     assert host[0] != "DEFAULT" and host[1] == "False" and host[2] == host[0]
     emulated = run_checked(*probe, "default", cwd=ROOT, PYTHONPATH=str(ROOT)).split()
     assert emulated == ["DEFAULT", "False", host[0]]
+
+
+def test_a_cublas_setting_that_is_not_deterministic_is_refused_by_the_first_stage(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "environment.json"
+    refused = run_cli("env", "--lock", LOCK, "--out", out, cwd=ROOT,
+                      CUBLAS_WORKSPACE_CONFIG="garbage")  # fmt: skip
+    assert refused.returncode == 3
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CUBLAS_WORKSPACE_CONFIG=garbage" in lines[0], lines
+    assert not out.exists()
+    # Control: a deterministic value passes.
+    done = run_cli("env", "--lock", LOCK, "--out", out, cwd=ROOT, CUBLAS_WORKSPACE_CONFIG=":16:8")
+    assert done.returncode == 0, done.stderr

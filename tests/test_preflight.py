@@ -135,3 +135,15 @@ def test_env_stage_cli_refuses_bad_params_and_keeps_its_record(tmp_path: Path) -
     assert ok.returncode == 0, ok.stderr
     assert out.read_text() != "previous record"
     assert out.stat().st_size > 100
+
+
+def test_a_file_where_an_output_folder_must_be_is_one_line(tmp_path: Path) -> None:
+    from reprotrain.pipeline.preflight import check_outputs
+
+    (tmp_path / "checkpoints").write_text("x")  # a file, where the run's folder goes
+    with pytest.raises(DataError) as refused:
+        check_outputs({tmp_path / "checkpoints" / "run" / "epoch=0.ckpt": 1})
+    assert str(refused.value).startswith(f"{tmp_path / 'checkpoints'}: a file where a folder")
+    # Control: with the file moved away, the folder to be made is checked in its parent.
+    (tmp_path / "checkpoints").unlink()
+    check_outputs({tmp_path / "checkpoints" / "run" / "epoch=0.ckpt": 1})

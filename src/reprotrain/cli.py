@@ -182,9 +182,15 @@ def _restart_for_determinism(args: argparse.Namespace) -> None:
     its overrides), else ``params.yaml`` in the working directory if there is
     one; ``evaluate`` takes the params its weights file was trained with. An
     exported variable that contradicts the profile is refused under
-    ``deterministic: true`` and overridden with a warning otherwise.
+    ``deterministic: true`` and overridden with a warning otherwise; so is an exported
+    ``CUBLAS_WORKSPACE_CONFIG`` that is not deterministic (warned of under ``warn``),
+    here, in the first stage, before DVC deletes a later stage's outputs.
     """
-    from reprotrain.determinism import reexec_with_fixed_hash_seed, refuse_or_warn
+    from reprotrain.determinism import (
+        CUBLAS_DETERMINISTIC_CONFIGS,
+        reexec_with_fixed_hash_seed,
+        refuse_or_warn,
+    )
     from reprotrain.hashing import read_safetensors_metadata
     from reprotrain.pipeline.config import load_params, parse_params
 
@@ -210,6 +216,14 @@ def _restart_for_determinism(args: argparse.Namespace) -> None:
             f"{profile.threads} ({path}); unset it, or change cpu.profile / cpu.threads"
         )
         refuse_or_warn(params.deterministic, f"{message} (overriding them)")
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if cublas is not None and cublas not in CUBLAS_DETERMINISTIC_CONFIGS:
+        refuse_or_warn(
+            params.deterministic,
+            f"CUBLAS_WORKSPACE_CONFIG={cublas} is exported, which is not deterministic "
+            f"(deterministic: {params.deterministic} in {path}); unset it, or export one of "
+            f"{', '.join(CUBLAS_DETERMINISTIC_CONFIGS)}",
+        )
     reexec_with_fixed_hash_seed({**profile.variables(), **source})
 
 

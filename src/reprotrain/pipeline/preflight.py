@@ -188,6 +188,11 @@ def check_outputs(needs: Mapping[Path, int]) -> None:
         folder = path if path.is_dir() else path.parent
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent
+        if not folder.is_dir():
+            raise DataError(
+                f"{folder}: a file where a folder must be, for {path}; move the file away, or "
+                "point the stage's path in dvc.yaml elsewhere"
+            )
         by_folder.setdefault(folder, []).append((path, size))
     by_device: dict[int, list[Path]] = {}
     for folder, outputs in by_folder.items():
