@@ -524,3 +524,38 @@ def test_the_env_stage_refuses_it_in_one_line_under_dvc_repro(
     )
     (tmp_path / "params.yaml").write_text("seed: 1\ndata: null\ntrain: {max_epochs: 2}\n")
     check_stage_params()  # control: nothing missing
+
+
+PACKAGE = """
+import lightning as L
+
+
+class Net(L.LightningModule):
+    pass
+
+
+class Data(L.LightningDataModule):
+    pass
+"""
+
+
+def test_code_the_train_stage_does_not_depend_on_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from reprotrain.pipeline.contract import check_code_tracked
+
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "model.py").write_text(PACKAGE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sections = {"model": {"class_path": "mypkg.model.Net", "init_args": {}},
+                "data": {"class_path": "mypkg.model.Data", "init_args": {}}}  # fmt: skip
+    recipe = resolve_recipe(parse_params(params_with(sections)))
+    dvc_yaml = tmp_path / "dvc.yaml"
+    with pytest.raises(ConfigError) as refused:
+        check_code_tracked(recipe, [(tmp_path / "data").resolve()], dvc_yaml)
+    assert str(refused.value).startswith("data.class_path: mypkg.model.Data: its code mypkg/")
+    assert "add `- mypkg` to its deps" in str(refused.value)
+    # Control: with the package among the deps, nothing is refused.
+    check_code_tracked(recipe, [(tmp_path / "mypkg").resolve()], dvc_yaml)

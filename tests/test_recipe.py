@@ -323,3 +323,20 @@ def test_installed_third_party_classes_add_no_code_and_reprotrain_adds_its_impor
     relative = {path.as_posix().split("src/reprotrain/")[-1] for path in classifier}
     assert {"recipes/digits.py", "pipeline/prepared.py"} <= relative
     assert "pipeline/recipe.py" not in relative
+
+
+def test_a_value_error_from_a_data_modules_setup_is_one_line_naming_its_section() -> None:
+    from reprotrain.pipeline.config import load_params
+    from reprotrain.pipeline.recipe import linked_arguments, resolve_recipe
+    from tests.helpers import ROOT
+
+    lm = ROOT / "pipelines" / "lm" / "params.yaml"
+    recipe = resolve_recipe(load_params(lm, ["data.init_args.block_size=100000"]))
+    with pytest.raises(ConfigError) as refused:
+        linked_arguments(recipe)
+    line = str(refused.value)
+    assert line.startswith("data.init_args: reprotrain.recipes.language_model.CharCorpus "
+                           "refused its arguments in setup('fit') (the corpus")  # fmt: skip
+    assert "\n" not in line
+    # Control: the shipped block size sets up.
+    assert linked_arguments(resolve_recipe(load_params(lm)))[1]["vocab_size"] > 0

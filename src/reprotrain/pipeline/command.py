@@ -164,6 +164,19 @@ def pipeline_runs(verb: str, dvc_yaml: Path) -> bool:
     return False
 
 
+def stage_deps(stage: str, dvc_yaml: Path) -> list[Path] | None:
+    """The paths ``stage`` of ``dvc_yaml`` lists under ``deps``, resolved against its
+    ``wdir``; None where there is no such stage or a dep is templated (``${...}``)."""
+    found = pipeline_stages(dvc_yaml).get(stage)
+    if found is None:
+        return None
+    wdir = dvc_yaml.parent / str(found.get("wdir", "."))
+    deps = [str(dep) for dep in found.get("deps") or []]
+    if any("${" in dep for dep in deps):
+        return None
+    return [(wdir / dep).resolve() for dep in deps]
+
+
 def missing_params(dvc_yaml: Path) -> list[tuple[str, str, str]]:
     """``(stage, params file, key)`` for each key a stage of ``dvc_yaml`` lists under
     ``params`` and its YAML params file lacks: DVC would stop at that stage, after deleting

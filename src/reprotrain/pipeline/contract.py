@@ -223,6 +223,29 @@ def _named_paths(component: ResolvedComponent) -> set[Path]:
     }
 
 
+def check_code_tracked(recipe: Recipe, deps: list[Path], dvc_yaml: Path) -> None:
+    """Refuse a recipe whose code (:func:`~reprotrain.pipeline.recipe.code_files`: the
+    classes' package, their ``code:`` entries) is not under a dep of the train stage: the
+    run ID hashes it, but DVC would not rerun train when it changes, and the model on disk
+    would stay the old code's, silently. reprotrain's own classes are the stages' code."""
+    from reprotrain.pipeline.recipe import code_files
+
+    root = Path.cwd().resolve()
+    for component in recipe.components:
+        if component.cls.__module__.split(".")[0] == "reprotrain":
+            continue
+        for file in code_files(component, root):
+            if any(file == dep or file.is_relative_to(dep) for dep in deps):
+                continue
+            where = file.relative_to(root) if file.is_relative_to(root) else file
+            add = where.parts[0] if len(where.parts) > 1 else where
+            raise ConfigError(
+                f"{component.key}.class_path: {component.class_path}: its code {where} is not "
+                f"among the train stage's deps in {dvc_yaml}, so DVC would not rerun train when "
+                f"it changes (the model would stay the old code's); add `- {add}` to its deps"
+            )
+
+
 def check_datasets(datamodule: Any) -> None:
     """Refuse a set-up data source whose ``<split>_dataset()`` is not map-style (where it
     gives one: a split with neither a loader nor a dataset is not used, or was refused)."""

@@ -94,11 +94,15 @@ class ResolvedComponent:
         try:
             return self.cls(**{name: _plain(built[name]) for name in self.init_args}, **provided)
         except ValueError as err:  # how a class refuses its arguments (n_head not dividing...)
-            shown = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(
-                f"{self.key}.init_args: {self.class_path} refused its arguments ({shown}); fix "
-                f"them under {self.key}.init_args in params.yaml"
-            ) from None
+            raise self.refused(err, "its arguments") from None
+
+    def refused(self, err: ValueError, what: str) -> ConfigError:
+        """The one line for a ValueError the class raised refusing ``what``."""
+        shown = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return ConfigError(
+            f"{self.key}.init_args: {self.class_path} refused {what} ({shown}); fix them under "
+            f"{self.key}.init_args in params.yaml"
+        )
 
 
 def _plain(value: Any) -> Any:
@@ -252,7 +256,10 @@ def linked_arguments(recipe: Recipe, stage: str = "fit") -> tuple[Any, dict[str,
     if recipe.data is None:
         return None, {}
     datamodule = recipe.data.instantiate()
-    datamodule.setup(stage)
+    try:
+        datamodule.setup(stage)
+    except ValueError as err:  # its arguments do not fit its data (a window over the corpus)
+        raise recipe.data.refused(err, f"its arguments in setup({stage!r})") from None
     linked = {}
     for name in recipe.model.provided:
         if not hasattr(datamodule, name):

@@ -168,6 +168,7 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
 
         recipe = resolve_recipe(params)
         check_recipe(params, recipe, scores=scores_in_pipeline())
+        check_train_deps(recipe)
         if train is not None:  # else the train stage checks it, with its --data
             check_prepare_data(recipe, train.data)
         check_world_size_invariance(params, recipe)
@@ -208,6 +209,18 @@ def check_stage_params() -> None:
         f"({key}: null for a section left out, as data is with no data module), or drop it "
         "from the stage's params"
     )
+
+
+def check_train_deps(recipe: Recipe) -> None:
+    """Under ``dvc repro``, refuse a recipe whose code the train stage does not depend on
+    (:func:`~reprotrain.pipeline.contract.check_code_tracked`)."""
+    from reprotrain.pipeline.command import stage_deps
+    from reprotrain.pipeline.contract import check_code_tracked
+    from reprotrain.pipeline.kept import pipeline_file
+
+    if (dvc_yaml := pipeline_file()) is None or (deps := stage_deps("train", dvc_yaml)) is None:
+        return
+    check_code_tracked(recipe, deps, dvc_yaml)
 
 
 def scores_in_pipeline() -> bool:
