@@ -711,3 +711,13 @@ def test_an_output_that_names_a_folder_compares_every_file_under_it(tmp_path: Pa
         "reprotrain: error: --output empty: a folder with no file in it in any run, so nothing "
         "was compared; name a folder the command writes files in, or the files themselves"
     )
+
+
+def test_verify_json_with_no_verdict_prints_the_error_as_json(tmp_path: Path) -> None:
+    done = run_cli("verify", "--json", "--", "false", cwd=tmp_path)
+    assert done.returncode == 2
+    report = json.loads(done.stdout)
+    assert report == {"error": "run 0 of `false` exited 1 and printed nothing", "exit_code": 2}
+    assert done.stderr.strip().splitlines()[-1] == f"reprotrain: error: {report['error']}"
+    # Control: without --json the error is the stderr line alone.
+    assert run_cli("verify", "--", "false", cwd=tmp_path).stdout == ""

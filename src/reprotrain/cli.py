@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import errno
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -157,22 +158,23 @@ def _run(args: argparse.Namespace, started: bool) -> int:
         print(f"reprotrain {args.command}: {result}")
         return 0
     except _bad_input() as err:
-        return _fail(f"{err}", EXIT_BAD_INPUT)
+        return _fail(f"{err}", EXIT_BAD_INPUT, args)
     except DeterminismError as err:
-        return _fail(f"{err}", EXIT_NOT_DETERMINISTIC)
+        return _fail(f"{err}", EXIT_NOT_DETERMINISTIC, args)
     except OSError as err:
         if err.errno not in STORAGE_ERRORS:
             raise
         return _fail(
             f"{err.filename or 'a file'}: {err.strerror}; {STORAGE_ERRORS[err.errno]}",
             EXIT_BAD_INPUT,
+            args,
         )
     except Interrupted as err:
         if os.environ.get("LOCAL_RANK", "0") != "0":  # every rank stops; local rank 0 says so
             return EXIT_INTERRUPTED
-        return _fail(f"{err}", EXIT_INTERRUPTED)
+        return _fail(f"{err}", EXIT_INTERRUPTED, args)
     except KeyboardInterrupt:
-        return _fail("interrupted; rerun the same command to start again", EXIT_INTERRUPTED)
+        return _fail("interrupted; rerun the same command to start again", EXIT_INTERRUPTED, args)
 
 
 def _restart_for_determinism(args: argparse.Namespace) -> None:
@@ -276,12 +278,14 @@ STORAGE_ERRORS = {
 }
 
 
-def _fail(message: str, code: int) -> int:
+def _fail(message: str, code: int, args: argparse.Namespace | None = None) -> int:
     """Print one error line; under ``dvc repro``, say where the stage's old outputs are.
 
     Called while the error is handled: its notes (PEP 678) end the line, among them the
     stage's own when it put the earlier outputs back (:mod:`reprotrain.pipeline.kept`),
-    which then is the one note on where they are.
+    which then is the one note on where they are. A command asked for ``--json`` also
+    prints ``{"error": line, "exit_code": code}`` on standard output, so a tool that
+    parses it gets a report with no verdict, not nothing.
     """
     from reprotrain.pipeline.kept import PUT_BACK
 
@@ -295,6 +299,8 @@ def _fail(message: str, code: int) -> int:
             "marks cache: false: `git checkout` those, if committed)"
         )
     print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
+    if getattr(args, "json", False) is True:
+        print(json.dumps({"error": message, "exit_code": code}, sort_keys=True))
     return code
 
 
