@@ -94,3 +94,49 @@ def test_missing_and_truncated_files_are_refused(tmp_path: Path) -> None:
     truncated = _prepare_fast(tmp_path, "-S", "prepare.source=cut.npz")
     assert truncated.returncode == 2 and "not a readable .npz" in truncated.stderr
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        ("short_labels", "train: 5 images but 4 labels"),
+        ("float_labels", "train: x is (5, 1, 4, 4) torch.float32, y (5,) torch.float32"),
+        ("flat_images", "train: x is (5, 16)"),
+        ("label_range", "train: labels 0..7 outside 0..2"),
+        ("empty_train", "the train split is empty"),
+        ("none", ""),  # the control: the same file undamaged loads
+    ],
+)
+def test_a_prepared_file_prepare_would_not_write_is_one_line(
+    tmp_path: Path, damage: str, expected: str
+) -> None:
+    import torch
+
+    from reprotrain.hashing import safetensors_metadata
+    from reprotrain.pipeline.errors import DataError
+
+    tensors = {}
+    for split in ("train", "val", "test"):
+        tensors[f"x_{split}"] = torch.zeros(5, 1, 4, 4)
+        tensors[f"y_{split}"] = torch.arange(5) % 3
+    if damage == "short_labels":
+        tensors["y_train"] = tensors["y_train"][:4]
+    elif damage == "float_labels":
+        tensors["y_train"] = tensors["y_train"].float()
+    elif damage == "flat_images":
+        tensors["x_train"] = torch.zeros(5, 16)
+    elif damage == "label_range":
+        tensors["y_train"] = torch.tensor([0, 1, 2, 7, 1])
+    elif damage == "empty_train":
+        tensors["x_train"], tensors["y_train"] = torch.zeros(0, 1, 4, 4), torch.zeros(0).long()
+    path = tmp_path / "prepared.safetensors"
+    from safetensors.torch import save_file
+
+    good = {name: t.contiguous() for name, t in tensors.items()}
+    save_file(good, path, metadata=safetensors_metadata({"num_classes": 3, "source": "t"}))
+    if damage == "none":
+        assert load_prepared(path).num_classes == 3
+        return
+    with pytest.raises(DataError) as refused:
+        load_prepared(path)
+    assert expected in str(refused.value) and "\n" not in str(refused.value)

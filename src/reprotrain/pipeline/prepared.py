@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -104,7 +105,31 @@ def load_prepared(path: str | Path) -> PreparedData | PreparedShards:
     expected = {f"{axis}_{split}" for axis in "xy" for split in SPLITS}
     if set(tensors) != expected or "num_classes" not in metadata:
         raise DataError(f"{path}: not a reprotrain prepared dataset; rerun `dvc repro prepare`")
+    if problem := _layout_problem(tensors, metadata["num_classes"]):
+        raise DataError(f"{path}: {problem}; rerun `dvc repro prepare`")
     return PreparedData(tensors, int(metadata["num_classes"]), str(metadata.get("source", "?")))
+
+
+def _layout_problem(tensors: dict[str, Any], num_classes: Any) -> str | None:
+    """What makes a prepared file's tensors no dataset prepare writes, if anything: images
+    N x C x H x W in floats, as many integer labels in 0..num_classes-1, a sample to train on."""
+    if type(num_classes) is not int or num_classes < 1:
+        return f"num_classes {num_classes!r} is not a positive integer"
+    shapes = set()
+    for split in SPLITS:
+        x, y = tensors[f"x_{split}"], tensors[f"y_{split}"]
+        if x.dim() != 4 or not x.is_floating_point() or y.dim() != 1 or y.is_floating_point():
+            return f"{split}: x is {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}"
+        if len(x) != len(y):
+            return f"{split}: {len(x)} images but {len(y)} labels"
+        if len(y) and (int(y.min()) < 0 or int(y.max()) >= int(num_classes)):
+            return f"{split}: labels {int(y.min())}..{int(y.max())} outside 0..{num_classes - 1}"
+        shapes.add(tuple(x.shape[1:]))
+    if len(shapes) > 1:
+        return f"the splits' images differ in shape ({sorted(shapes)})"
+    if not len(tensors["y_train"]):
+        return "the train split is empty"
+    return None
 
 
 def _open_shards(folder: Path) -> PreparedShards:
