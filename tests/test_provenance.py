@@ -90,6 +90,19 @@ def test_checksum_mismatch_names_both_checksums(tmp_path: Path) -> None:
         verify_dvc_checksum(data, tmp_path / "dvc.lock")
 
 
+def test_a_dvc_lock_that_is_not_dvcs_yaml_is_one_checksum_error(tmp_path: Path) -> None:
+    data = tmp_path / "d.bin"
+    data.write_bytes(b"abc")
+    lock = tmp_path / "dvc.lock"
+    for text, _ in BAD_DVC_LOCK.values():
+        lock.write_text(text)
+        with pytest.raises(ChecksumError, match=r"restore it from git or rerun `dvc repro`$"):
+            verify_dvc_checksum(data, lock)
+    # Control: a lock that records nothing for the file holds it to nothing.
+    lock.write_text("schema: '2.0'\nstages: {}\n")
+    assert verify_dvc_checksum(data, lock) == (md5_file(data), None)
+
+
 # --- through DVC ---------------------------------------------------------------------------
 
 
@@ -251,10 +264,11 @@ def test_checklist_names_a_corrupt_dvc_lock_in_one_line(pipeline_folder: Path, c
     text, expect = BAD_DVC_LOCK[case]
     (pipeline_folder / "dvc.lock").write_text(text, encoding="utf-8")
     result = run_in_process("checklist", "--json")
-    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert result.returncode == 2, result.stderr
     [line] = result.stderr.splitlines()
     what_to_do = "; restore it from git or rerun `dvc repro`"
     assert re.fullmatch(rf"reprotrain: error: dvc\.lock: {expect}{re.escape(what_to_do)}", line)
+    assert json.loads(result.stdout) == {"error": line.split(": ", 2)[2], "exit_code": 2}
 
 
 def test_checklist_checks_the_outputs_a_good_dvc_lock_records(pipeline_folder: Path) -> None:

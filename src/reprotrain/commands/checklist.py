@@ -23,15 +23,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from reprotrain.commands._exit_codes import EXIT_CHECK_FAILED
 from reprotrain.commands._git import git_show, tracked_dvc_files
 from reprotrain.pipeline.command import Command, add_dvc_yaml, stage_arguments
 from reprotrain.pipeline.config import Params
-from reprotrain.pipeline.errors import DataError, yaml_line
 from reprotrain.pipeline.stages.env import whole_environment
-from reprotrain.provenance.dvcchecksum import md5_dir, md5_file
+from reprotrain.provenance.dvcchecksum import md5_dir, md5_file, recorded_entries
 from reprotrain.provenance.envdiff import compare_environments
 from reprotrain.provenance.environment import HOST_KEY, bit_deciding, git_state
 
@@ -140,10 +137,10 @@ def _data_item(dvc_lock: Path) -> Item:
     if not dvc_lock.is_file():
         return Item("data", "checksums match dvc.lock", "fail", f"{dvc_lock} not found")
     root = dvc_lock.parent
-    records = _recorded_outs(dvc_lock, "restore it from git or rerun `dvc repro`", lock=True)
+    records = recorded_entries(dvc_lock)
     for sidecar in tracked_dvc_files(root):
         fix = "restore it from git or `dvc add` its data again"
-        for out in _recorded_outs(sidecar, fix, lock=False):
+        for out in recorded_entries(sidecar, fix, lock=False):
             records.append({**out, "path": str((sidecar.parent / out["path"]).relative_to(root))})
     bad, missing = [], []
     for out in records:
@@ -160,37 +157,6 @@ def _data_item(dvc_lock: Path) -> Item:
         detail = f"not present (dvc pull?): {', '.join(missing)}"
         return Item("data", "checksums match dvc.lock", "warn", detail)
     return Item("data", "checksums match dvc.lock", "pass", f"{len(records)} files match")
-
-
-def _recorded_outs(file: Path, fix: str, *, lock: bool) -> list[dict[str, Any]]:
-    """The ``outs`` entries of a ``dvc.lock`` (``lock``: under each stage) or a ``.dvc`` file.
-
-    A file DVC would not have written (bad YAML, a list, a stage with no mapping,
-    an entry with no path) is one :class:`DataError` that names it, with ``fix``.
-    """
-    try:
-        spec = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise DataError(f"{file}: not valid YAML{yaml_line(err)}; {fix}") from None
-    if spec is None:
-        return []
-    if not isinstance(spec, dict):
-        raise DataError(f"{file}: expected a mapping at the top level; {fix}")
-    stages = (spec.get("stages") or {}) if lock else {None: spec}
-    if not isinstance(stages, dict):
-        raise DataError(f"{file}: `stages` is not a mapping of stage names; {fix}")
-    records: list[dict[str, Any]] = []
-    for name, stage in stages.items():
-        where = f"{file}: stage {name!r}" if lock else str(file)
-        if not isinstance(stage, dict):
-            raise DataError(f"{where} is not a mapping (outs, deps, ...); {fix}")
-        outs = stage.get("outs") or []
-        if not isinstance(outs, list) or not all(
-            isinstance(out, dict) and isinstance(out.get("path"), str) for out in outs
-        ):
-            raise DataError(f"{where}: `outs` is not a list of entries with a path; {fix}")
-        records += outs
-    return records
 
 
 def _environment_items(current: dict[str, Any], recorded: dict[str, Any] | None) -> list[Item]:

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -90,14 +91,13 @@ def dvc_recorded_md5(path: str | Path, dvc_lock: str | Path) -> str | None:
     target = Path(path).resolve()
     lock = Path(dvc_lock)
     if lock.is_file():
-        stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
-        for stage in stages.values():
-            for out in stage.get("outs", []):
-                if (lock.parent / out["path"]).resolve() == target and "md5" in out:
-                    return out["md5"]
+        for out in recorded_entries(lock):
+            if (lock.parent / out["path"]).resolve() == target and "md5" in out:
+                return out["md5"]
     sidecar = target.with_name(target.name + ".dvc")
     if sidecar.is_file():
-        for out in (yaml.safe_load(sidecar.read_text()) or {}).get("outs", []):
+        fix = "restore it from git, or `dvc add` the file again"
+        for out in recorded_entries(sidecar, fix, lock=False):
             if (sidecar.parent / out["path"]).resolve() == target and "md5" in out:
                 return out["md5"]
     return None
@@ -114,12 +114,51 @@ def dvc_lists_dependency(path: str | Path, dvc_lock: str | Path) -> bool:
     lock = Path(dvc_lock)
     if not lock.is_file():
         return False
-    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
     return any(
         (lock.parent / dep["path"]).resolve() == target
-        for stage in stages.values()
-        for dep in stage.get("deps", [])
+        for dep in recorded_entries(lock, key="deps")
     )
+
+
+#: What to do about a ``dvc.lock`` DVC would not have written.
+LOCK_FIX = "restore it from git or rerun `dvc repro`"
+
+
+def recorded_entries(
+    file: Path, fix: str = LOCK_FIX, *, lock: bool = True, key: str = "outs"
+) -> list[dict[str, Any]]:
+    """The ``key`` entries (``outs`` or ``deps``) of a ``dvc.lock`` (``lock``: under each
+    stage) or of a ``.dvc`` file.
+
+    A file DVC would not have written (bad YAML, a list, a stage with no mapping, an
+    entry with no path) is one :class:`ChecksumError` that names it, with ``fix``.
+    """
+    try:
+        spec = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        mark = getattr(err, "problem_mark", None)
+        raise ChecksumError(
+            f"{file}: not valid YAML{f' (line {mark.line + 1})' if mark else ''}; {fix}"
+        ) from None
+    if spec is None:
+        return []
+    if not isinstance(spec, dict):
+        raise ChecksumError(f"{file}: expected a mapping at the top level; {fix}")
+    stages = (spec.get("stages") or {}) if lock else {None: spec}
+    if not isinstance(stages, dict):
+        raise ChecksumError(f"{file}: `stages` is not a mapping of stage names; {fix}")
+    records: list[dict[str, Any]] = []
+    for name, stage in stages.items():
+        where = f"{file}: stage {name!r}" if lock else str(file)
+        if not isinstance(stage, dict):
+            raise ChecksumError(f"{where} is not a mapping (outs, deps, ...); {fix}")
+        entries = stage.get(key) or []
+        if not isinstance(entries, list) or not all(
+            isinstance(entry, dict) and isinstance(entry.get("path"), str) for entry in entries
+        ):
+            raise ChecksumError(f"{where}: `{key}` is not a list of entries with a path; {fix}")
+        records += entries
+    return records
 
 
 def verify_dvc_checksum(path: str | Path, dvc_lock: str | Path) -> tuple[str, str | None]:
