@@ -279,7 +279,7 @@ def check_invariant_layout(
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key:
-        raise ConfigError(f"override {item!r}: expected key=value; write e.g. train.lr=0.01")
+        raise ConfigError(f"override {item!r}: expected key=value; write e.g. train.max_epochs=5")
     *parents, leaf = key.split(".")
     node = raw
     for part in parents:

@@ -97,7 +97,10 @@ def load_prepared(path: str | Path) -> PreparedData | PreparedShards:
     if path.is_dir():
         return _open_shards(path)
     if not path.is_file():
-        raise DataError(f"{path}: prepared data not found; run `dvc repro prepare`")
+        raise DataError(
+            f"{path}: prepared data not found; if the path is right, `dvc repro prepare` makes "
+            "it, else fix the path that names it (data.init_args.path)"
+        )
     try:
         tensors, metadata = load_safetensors(path)
     except (SafetensorError, OSError, ValueError) as err:

@@ -344,14 +344,16 @@ def _interrupted(checkpoint_dir: Path | None, name: str, refused: str | None = N
             f"training interrupted ({name}); no checkpoint kept: {refused}. "
             "Rerun to train from the first step, to the same bits"
         )
-    if kept:
-        later = f" (a later one was not: {refused})" if refused else ""
-        where = f"its last checkpoint, {kept.name}, is kept{later}"
-    else:
-        where = "no checkpoint was written yet"
+    if not kept:
+        return (
+            f"training interrupted ({name}) before its first checkpoint: rerun the same command "
+            "or `dvc repro` to train from the first step, to the same bits"
+        )
+    later = f" (a later one was not: {refused})" if refused else ""
     return (
-        f"training interrupted ({name}); {where}: rerun the same "
-        "command or `dvc repro` to resume, with the same bits as an uninterrupted run"
+        f"training interrupted ({name}); its last checkpoint, {kept.name}, is kept{later}: "
+        "rerun the same command or `dvc repro` to resume, with the same bits as an "
+        "uninterrupted run"
     )
 
 

@@ -32,14 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_paths(parser, paths, required=True)
     parser.add_argument(
         "--samples-per-shard",
-        type=_positive,
+        type=positive_integer,
         metavar="N",
         help="write --out as a shard folder of N samples per shard, read from disk a batch "
         "at a time when training (docs/data.md), instead of one file",
     )
 
 
-def _positive(text: str) -> int:
+def positive_integer(text: str) -> int:
+    """An integer >= 1 (argparse names the function in its error: "invalid positive_integer
+    value: 'abc'")."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
