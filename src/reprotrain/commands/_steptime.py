@@ -42,8 +42,11 @@ Setup = Callable[[], tuple[nn.Module, torch.optim.Optimizer | None]]
 
 
 def set_mode(mode: str) -> None:
+    """The flags ``mode`` sets, as ``configure_determinism`` sets them (torch's fill of fresh
+    tensors off: :data:`reprotrain.determinism.SETTING_REASONS`)."""
     deterministic, benchmark = MODES[mode]
     torch.use_deterministic_algorithms(deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = benchmark
 
@@ -53,6 +56,7 @@ def modes_restored() -> Iterator[None]:
     """Put the determinism flags back as they were, whatever mode the runs left."""
     saved = (
         torch.are_deterministic_algorithms_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,
     )
@@ -60,7 +64,8 @@ def modes_restored() -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(saved[0])
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1:]
+        torch.utils.deterministic.fill_uninitialized_memory = saved[1]
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2:]
 
 
 class SpatialMean(nn.Module):

@@ -4,7 +4,8 @@ Two workloads, each trained for ``--steps`` timed steps (after ``--warmup``
 untimed ones) from the same initial weights and batches, in three modes per
 repeat, the order alternating between repeats:
 
-* ``deterministic``: ``use_deterministic_algorithms(True)``,
+* ``deterministic``: ``use_deterministic_algorithms(True)`` (torch's
+  ``fill_uninitialized_memory`` off, as ``configure_determinism`` leaves it),
   ``cudnn.deterministic=True``, ``cudnn.benchmark=False`` (what
   ``deterministic: true`` sets);
 * ``default``: all off, ``cudnn.benchmark=True`` (``deterministic: false``);
