@@ -127,3 +127,23 @@ def test_bench_times_a_module_as_its_trainer_would_train_it(
     # Control: the loop bench ran before, outside a Trainer, cannot configure its optimizer.
     with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
         module_class().configure_optimizers()
+
+
+def test_the_deterministic_mode_sets_what_configure_determinism_sets() -> None:
+    from reprotrain.commands._steptime import modes_restored, set_mode
+    from reprotrain.determinism import configure_determinism
+
+    before = torch.utils.deterministic.fill_uninitialized_memory
+    with modes_restored():
+        configure_determinism(0, True)
+        expected = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.utils.deterministic.fill_uninitialized_memory,
+        )
+        torch.utils.deterministic.fill_uninitialized_memory = True  # torch's own default
+        set_mode("deterministic")
+        assert (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.utils.deterministic.fill_uninitialized_memory,
+        ) == expected == (True, False)
+    assert torch.utils.deterministic.fill_uninitialized_memory == before  # put back
