@@ -142,8 +142,9 @@ def test_the_deterministic_mode_sets_what_configure_determinism_sets() -> None:
         )
         torch.utils.deterministic.fill_uninitialized_memory = True  # torch's own default
         set_mode("deterministic")
-        assert (
+        now = (
             torch.are_deterministic_algorithms_enabled(),
             torch.utils.deterministic.fill_uninitialized_memory,
-        ) == expected == (True, False)
+        )
+        assert now == expected == (True, False)
     assert torch.utils.deterministic.fill_uninitialized_memory == before  # put back
