@@ -544,18 +544,19 @@ def test_code_the_train_stage_does_not_depend_on_is_refused_by_name(
 ) -> None:
     from reprotrain.pipeline.contract import check_code_tracked
 
-    (tmp_path / "mypkg").mkdir()
-    (tmp_path / "mypkg" / "__init__.py").write_text("")
-    (tmp_path / "mypkg" / "model.py").write_text(PACKAGE)
+    (tmp_path / "untracked").mkdir()  # a name no other test imports: it stays imported
+    (tmp_path / "untracked" / "__init__.py").write_text("")
+    (tmp_path / "untracked" / "model.py").write_text(PACKAGE)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    sections = {"model": {"class_path": "mypkg.model.Net", "init_args": {}},
-                "data": {"class_path": "mypkg.model.Data", "init_args": {}}}  # fmt: skip
+    sections = {"model": {"class_path": "untracked.model.Net", "init_args": {}},
+                "data": {"class_path": "untracked.model.Data", "init_args": {}}}  # fmt: skip
     recipe = resolve_recipe(parse_params(params_with(sections)))
     dvc_yaml = tmp_path / "dvc.yaml"
     with pytest.raises(ConfigError) as refused:
         check_code_tracked(recipe, [(tmp_path / "data").resolve()], dvc_yaml)
-    assert str(refused.value).startswith("data.class_path: mypkg.model.Data: its code mypkg/")
-    assert "add `- mypkg` to its deps" in str(refused.value)
+    line = str(refused.value)
+    assert line.startswith("data.class_path: untracked.model.Data: its code untracked/")
+    assert "add `- untracked` to its deps" in line
     # Control: with the package among the deps, nothing is refused.
-    check_code_tracked(recipe, [(tmp_path / "mypkg").resolve()], dvc_yaml)
+    check_code_tracked(recipe, [(tmp_path / "untracked").resolve()], dvc_yaml)

@@ -299,7 +299,8 @@ def _fail(message: str, code: int, args: argparse.Namespace | None = None) -> in
             "marks cache: false: `git checkout` those, if committed)"
         )
     print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
-    if getattr(args, "json", False) is True:
+    wants_json = getattr(args, "json", False) is True  # --json, a flag (not a path)
+    if wants_json:
         print(json.dumps({"error": message, "exit_code": code}, sort_keys=True))
     return code
 

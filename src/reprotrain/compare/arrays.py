@@ -11,12 +11,16 @@ placeholder of NumPy's reconstruct call; :func:`pickled_array` decodes it
 from its dtype code, byte order, shape and raw bytes, with NumPy's plain
 buffer reader, so nothing the file names is imported or called.
 
-An array of a dtype torch has no tensor for (strings, structured records) is
-returned as NumPy holds it, and compared as a field by its ``repr``.
+An array of a dtype torch has no tensor for (strings, structured records, long
+doubles) is compared as a field: its dtype, shape and the sha256 of its bytes
+(a ``repr`` would elide the middle of a long array). A file whose header
+promises more bytes than it holds is refused before anything is allocated.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import re
 import zipfile
 from pathlib import Path
@@ -48,11 +52,33 @@ def read_array_file(path: Path) -> dict[str, Any]:
     torch has its dtype. Raises ValueError for an object array or a file NumPy cannot read."""
     import numpy as np
 
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            for member in archive.infolist():
+                with archive.open(member) as handle:
+                    _check_header(handle, member.file_size, member.filename)
+    else:
+        with path.open("rb") as handle:
+            _check_header(handle, path.stat().st_size, path.name)
     loaded = np.load(path, allow_pickle=False)
     if isinstance(loaded, np.ndarray):
         return {"(array)": as_tensor(loaded)}
     with loaded:
         return {name: as_tensor(array) for name, array in loaded.items()}
+
+
+def _check_header(handle: Any, size: int, name: str) -> None:
+    """Raise ValueError where an array's header promises more bytes than ``size`` holds (a
+    crafted shape would have NumPy allocate it first) or an object array."""
+    from numpy.lib import format as npy
+
+    version = npy.read_magic(handle)
+    read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+    shape, _, dtype = read(handle, max_header_size=10_000)
+    if dtype.hasobject:
+        raise ValueError(f"{name}: an object array, which only pickle reads")
+    if math.prod(shape) * dtype.itemsize > size:
+        raise ValueError(f"{name}: its header promises shape {shape}, more than its {size} bytes")
 
 
 def pickled_array(value: Any, opaque: type) -> Any:
@@ -77,21 +103,22 @@ def pickled_array(value: Any, opaque: type) -> Any:
         dtype, data = _dtype(dtype, opaque), _raw(data, opaque)
         if not (isinstance(shape, tuple) and all(type(n) is int for n in shape)):
             return None
-    if dtype is None or data is None or len(data) != dtype.itemsize * int(np.prod(shape)):
+    if dtype is None or data is None or len(data) != dtype.itemsize * math.prod(shape):
         return None
     return as_tensor(np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C"))
 
 
 def as_tensor(array: Any) -> Any:
     """``array`` as a tensor (a copy, in native byte order) where torch has its dtype, else
-    as it is."""
+    its dtype, shape and the sha256 of its bytes, as a string to compare."""
     import torch
 
     native = array.astype(array.dtype.newbyteorder("="), order="C")  # astype copies
     try:
         return torch.from_numpy(native)
     except TypeError:  # a dtype torch does not hold
-        return array
+        digest = hashlib.sha256(native.tobytes()).hexdigest()[:16]
+        return f"array {native.dtype} {native.shape} sha256 {digest}"
 
 
 def _dtype(value: Any, opaque: type) -> Any:
