@@ -97,16 +97,27 @@ class DocsStyle(L.LightningModule):
 
 
 class ManualOptimization(DocsStyle):
+    """Two optimizers stepped by hand, as a GAN's (global_step counts both steps), and a
+    ModelCheckpoint of its own (which would write under the Trainer's root)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
+        self.other = nn.Linear(4, 2)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        self.manual_backward(F.cross_entropy(self.layer(batch[0]), batch[1]))
-        optimizer.step()
-        self.lr_schedulers().step()
+        for optimizer, layer in zip(self.optimizers(), (self.layer, self.other), strict=True):
+            optimizer.zero_grad()
+            self.manual_backward(F.cross_entropy(layer(batch[0]), batch[1]))
+            optimizer.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(m.parameters(), lr=0.1) for m in (self.layer, self.other)]
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        return [ModelCheckpoint()]
 
 
 @pytest.mark.parametrize("module_class", [DocsStyle, ManualOptimization])
@@ -124,9 +135,14 @@ def test_bench_times_a_module_as_its_trainer_would_train_it(
     assert len(times) == 3 and min(times) > 0
     assert not torch.equal(module.layer.weight, before)  # it trained
     assert list(tmp_path.iterdir()) == []  # and wrote nothing
-    # Control: the loop bench ran before, outside a Trainer, cannot configure its optimizer.
+    # Control: outside a Trainer, as bench's loop ran them before, neither can run: one
+    # sizes its scheduler by the trainer, the other's step asks it for the optimizers.
+    fresh = module_class()
     with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
-        module_class().configure_optimizers()
+        if module_class is ManualOptimization:
+            fresh.training_step(batches[0], 0)
+        else:
+            fresh.configure_optimizers()
 
 
 def test_the_deterministic_mode_sets_what_configure_determinism_sets() -> None:

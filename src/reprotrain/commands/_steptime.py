@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import itertools
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -193,7 +194,9 @@ def _lightning_step_times(
     configures them, ``self.trainer`` there), with the device synchronised at both ends.
 
     The Trainer leaves the determinism flags as the mode set them, runs no validation and
-    writes nothing."""
+    writes nothing (its root, where a module's own ModelCheckpoint would write, is a
+    temporary folder). It runs one epoch of ``warmup + steps`` batches, not ``max_steps``,
+    which counts each optimizer's step (two a batch for a GAN stepped by hand)."""
     import lightning as L
 
     class StepTimer(L.Callback):
@@ -210,15 +213,21 @@ def _lightning_step_times(
             self.times.append(time.perf_counter() - self.start)
 
     timer = StepTimer()
-    trainer = L.Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-        max_steps=warmup + steps, max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, deterministic=None, benchmark=None, callbacks=[timer],
-    )  # fmt: skip
-    with warnings.catch_warnings():  # its loader is ours, not the module's; it has no workers
-        warnings.simplefilter("ignore")
-        trainer.fit(module, train_dataloaders=_Cycled(batches, warmup + steps))
+    with tempfile.TemporaryDirectory(prefix="reprotrain-bench-") as root:
+        trainer = L.Trainer(
+            accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_epochs=1,
+            limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            deterministic=None, benchmark=None, callbacks=[timer], default_root_dir=root,
+        )  # fmt: skip
+        with warnings.catch_warnings():  # its loader is ours, not the module's; no workers
+            warnings.simplefilter("ignore")
+            trainer.fit(module, train_dataloaders=_Cycled(batches, warmup + steps))
+    if len(timer.times) != warmup + steps:
+        raise RuntimeError(
+            f"the Trainer stopped after {len(timer.times)} of {warmup + steps} batches "
+            "(the module stopped the fit); nothing to time"
+        )
     return timer.times[warmup:]
 
 
