@@ -54,14 +54,25 @@ def test_what_dvc_deleted_is_put_back_after_a_failure(pipeline: Path) -> None:
     assert (pipeline / "reports" / "plots" / "train" / "val.csv").read_text() == "epoch\n"
 
 
-def test_what_a_failed_run_wrote_gives_way_to_the_earlier_outputs(pipeline: Path) -> None:
+def test_what_a_failed_run_wrote_gives_way_to_the_earlier_outputs(
+    pipeline: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     keep(OUTPUTS)
     _deleted_by_dvc(pipeline)
+    (pipeline / "dvc.yaml").write_text(
+        "stages:\n  train:\n    cmd: reprotrain train\n    outs:\n"
+        "      - models/model.safetensors\n      - reports/metrics.json\n"
+        "      - reports/kept.json:\n          persist: true\n"
+    )
+    monkeypatch.setenv("DVC_STAGE", "train")
     (pipeline / "models" / "model.safetensors").write_bytes(b"new")  # written, then it failed
     (pipeline / "reports" / "metrics.json").write_text("{}")  # of an output nothing was kept of
-    assert put_back([*OUTPUTS, Path("reports/metrics.json")]) == OUTPUTS
+    (pipeline / "reports" / "kept.json").write_text("{}")  # DVC leaves a persist output be
+    written = [*OUTPUTS, Path("reports/metrics.json"), Path("reports/kept.json")]
+    assert put_back(written) == OUTPUTS
     assert (pipeline / "models" / "model.safetensors").read_bytes() == b"weights"
     assert not (pipeline / "reports" / "metrics.json").exists()  # nothing partial stays
+    assert (pipeline / "reports" / "kept.json").exists()  # the control: not DVC's to delete
 
 
 def test_a_success_drops_what_was_kept(pipeline: Path) -> None:

@@ -692,3 +692,14 @@ def test_a_run_that_diverged_is_one_line_and_writes_nothing(tmp_path: Path) -> N
     assert not [p for p in (tmp_path / "diverged").glob("*") if p.name != "ckpt"]
     # Control: the same module at a learning rate that converges writes its outputs.
     assert (_train(tmp_path / "control", "Net", lr=0.1) / "metrics.json").exists()
+
+
+def test_a_non_finite_loss_the_run_recovered_from_is_not_divergence() -> None:
+    from reprotrain.pipeline.train_files import refuse_diverged
+
+    finite = {"w": torch.ones(2), "steps": torch.tensor(3)}
+    refuse_diverged([(0, 1.0), (1, float("nan")), (2, 0.5)], finite)  # a skipped overflow
+    with pytest.raises(DataError, match="at the last step, first at step 1"):
+        refuse_diverged([(0, 1.0), (1, float("nan")), (2, float("inf"))], finite)
+    with pytest.raises(DataError, match=r"1 weight tensors are not finite \(w first\)"):
+        refuse_diverged([(0, 1.0)], {"w": torch.tensor([1.0, float("nan")])})

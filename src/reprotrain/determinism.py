@@ -213,8 +213,9 @@ def reexec_with_fixed_hash_seed(variables: Mapping[str, str] | None = None) -> N
 
 def _cannot_restart() -> str | None:
     """Why this interpreter's command line would not run this program again, if so."""
-    if "ipykernel" in sys.modules or sys.flags.interactive:
-        return "it is interactive (a notebook's kernel, python -i)"
+    ipython = sys.modules.get("IPython")
+    if sys.flags.interactive or getattr(ipython, "get_ipython", lambda: None)() is not None:
+        return "it is interactive (a notebook's kernel, IPython, python -i)"
     if sys.argv[:1] in ([""], ["-"]):
         return "it read its program from standard input (a pipe, python -, a prompt)"
     return None

@@ -166,13 +166,13 @@ def pipeline_runs(verb: str, dvc_yaml: Path) -> bool:
 
 def stage_deps(stage: str, dvc_yaml: Path) -> list[Path] | None:
     """The paths ``stage`` of ``dvc_yaml`` lists under ``deps``, resolved against its
-    ``wdir``; None where there is no such stage or a dep is templated (``${...}``)."""
+    ``wdir``; None where there is no such stage or a dep or the wdir is templated."""
     found = pipeline_stages(dvc_yaml).get(stage)
     if found is None:
         return None
     wdir = dvc_yaml.parent / str(found.get("wdir", "."))
     deps = [str(dep) for dep in found.get("deps") or []]
-    if any("${" in dep for dep in deps):
+    if any("${" in part for part in (*deps, str(wdir))):
         return None
     return [(wdir / dep).resolve() for dep in deps]
 

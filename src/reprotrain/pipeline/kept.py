@@ -18,7 +18,9 @@ be made; DVC writes a new file rather than into an old one, so the link keeps
 the old bytes). A stage that fails in any way moves each of its kept outputs
 back, in place of whatever the failed run wrote of it (a model written before
 the metrics failed), removes what it wrote of an output nothing was kept of
-(nothing partial stays), and notes so on its error (:func:`note_put_back`);
+where DVC deleted that output before the stage ran (an ``outs`` entry without
+``persist``: nothing partial stays, nothing else is touched), and notes so on
+its error (:func:`note_put_back`);
 one that succeeds drops what was kept for it. A failed evaluate after a train that
 succeeded puts back the metrics of the earlier weights, as ``dvc.lock``'s
 evaluate entry still records them. ``reprotrain train`` or ``evaluate`` run by
@@ -102,14 +104,35 @@ def put_back(outputs: Iterable[Path]) -> list[Path]:
     wrote of it, and remove what it wrote of the others; return those restored."""
     folder = kept_folder()
     restored = []
+    deleted_by_dvc = _deleted_by_dvc()
     for output in _inside(outputs) if folder is not None else []:
         source = folder / output  # type: ignore[operator]
-        _remove(output)  # DVC deleted it before the stage ran: this is the failed run's
         if source.exists():
+            _remove(output)  # what the failed run wrote of it
             output.parent.mkdir(parents=True, exist_ok=True)
             source.replace(output)
             restored.append(output)
+        elif output.resolve() in deleted_by_dvc:  # so all there is of it is the failed run's
+            _remove(output)
     return restored
+
+
+def _deleted_by_dvc() -> set[Path]:
+    """The running stage's outputs DVC deletes before it runs the stage (its ``outs`` less
+    ``persist: true`` ones), resolved; none outside ``dvc repro``."""
+    from reprotrain.pipeline.command import pipeline_stages
+
+    file, stage = pipeline_file(), os.environ.get("DVC_STAGE", "").rpartition(":")[2]
+    found = pipeline_stages(file).get(stage) if file is not None else None
+    if found is None:
+        return set()
+    wdir = file.parent / str(found.get("wdir", "."))  # type: ignore[union-attr]
+    deleted = set()
+    for out in found.get("outs") or []:
+        path, options = (out, {}) if isinstance(out, str) else next(iter(out.items()))
+        if not (isinstance(options, dict) and options.get("persist") is True):
+            deleted.add((wdir / str(path)).resolve())
+    return deleted
 
 
 def _remove(output: Path) -> None:

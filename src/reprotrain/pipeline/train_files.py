@@ -45,8 +45,9 @@ def write_outputs(
     last value of each metric the module logged (``null`` where it is not finite: JSON
     has no NaN). Every file's content is made before the first is written.
 
-    Raises DataError, writing nothing, where training diverged: a ``train_loss`` or a
-    floating-point weight that is not finite.
+    Raises DataError, writing nothing, where training diverged: the last ``train_loss``
+    or a floating-point weight is not finite (a step with a non-finite loss that the run
+    recovered from, as a loss scaler skips one, is not refused).
     """
     state = fitted.module.state_dict()
     weights = {name: t.detach().cpu().contiguous() for name, t in state.items()}
@@ -88,12 +89,13 @@ def write_outputs(
 
 
 def refuse_diverged(losses: list[tuple[int, float]], weights: dict[str, Any]) -> None:
-    """Raise DataError where the loss or a floating-point weight is not finite."""
-    bad_loss = next(((step, value) for step, value in losses if not math.isfinite(value)), None)
+    """Raise DataError where the last loss or a floating-point weight is not finite."""
     bad = [n for n, t in weights.items() if t.is_floating_point() and not t.isfinite().all()]
-    if bad_loss is None and not bad:
+    last_bad = bool(losses) and not math.isfinite(losses[-1][1])
+    if not last_bad and not bad:
         return
-    found = [f"train_loss is {bad_loss[1]} first at step {bad_loss[0]}"] if bad_loss else []
+    first = next((step for step, value in losses if not math.isfinite(value)), None)
+    found = [f"train_loss is {losses[-1][1]} at the last step, first at step {first}"] * last_bad
     if bad:
         found.append(f"{len(bad)} weight tensors are not finite ({bad[0]} first)")
     raise DataError(
