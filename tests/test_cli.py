@@ -176,6 +176,11 @@ def test_a_full_disk_is_one_line_with_the_file_and_what_to_do(
     monkeypatch.setenv("DVC_STAGE", "train")
     assert _fail_with(monkeypatch, full) == 2
     assert "`dvc checkout train` restores them" in capsys.readouterr().err
+    # The env stage, whose record persists, says nothing of it; in a subfolder's pipeline too.
+    for env in ("env", "pipelines/lm/dvc.yaml:env"):
+        monkeypatch.setenv("DVC_STAGE", env)
+        assert _fail_with(monkeypatch, full) == 2
+        assert "dvc checkout" not in capsys.readouterr().err
     # Negative control: other OS errors are not dressed up as storage errors.
     with pytest.raises(FileNotFoundError):
         _fail_with(monkeypatch, FileNotFoundError(errno.ENOENT, "No such file", "x"))

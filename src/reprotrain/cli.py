@@ -292,7 +292,8 @@ def _fail(message: str, code: int, args: argparse.Namespace | None = None) -> in
     notes = [" ".join(str(note).split()) for note in getattr(sys.exception(), "__notes__", ())]
     message += "".join(f" ({note})" for note in notes)
     stage = os.environ.get("DVC_STAGE")
-    if stage and stage != "env" and not any(note.startswith(PUT_BACK) for note in notes):
+    env = stage.rpartition(":")[2] == "env" if stage else False  # pipelines/lm/dvc.yaml:env
+    if stage and not env and not any(note.startswith(PUT_BACK) for note in notes):
         message += (
             f" (dvc repro removed stage {stage}'s previous outputs before running it; "
             f"`dvc checkout {stage}` restores them from the DVC cache, except those dvc.yaml "
