@@ -340,3 +340,16 @@ def test_a_value_error_from_a_data_modules_setup_is_one_line_naming_its_section(
     assert "\n" not in line
     # Control: the shipped block size sets up.
     assert linked_arguments(resolve_recipe(load_params(lm)))[1]["vocab_size"] > 0
+
+
+def test_a_namespace_package_without_init_is_hashed_too(user_package: Path) -> None:
+    (user_package / "__init__.py").unlink()  # a folder of modules, no __init__.py
+    for name in [n for n in sys.modules if n == "usernet" or n.startswith("usernet.")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
+    root = user_package.parents[1]
+    files = code_files(_model({"class_path": "usernet.model.Net"}), root=root)
+    assert files == [user_package.resolve() / n for n in ("data.py", "layers.py", "model.py")]
+    # Outside the repository it is refused, as a package with an __init__.py is.
+    with pytest.raises(ConfigError, match="outside the repository"):
+        code_files(_model({"class_path": "usernet.model.Net"}), root=root / "elsewhere")

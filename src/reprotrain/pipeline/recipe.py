@@ -401,7 +401,8 @@ def code_files(component: ResolvedComponent, root: Path | None = None) -> list[P
     """The files whose bytes decide what ``component`` computes, sorted.
 
     Every ``.py`` under the top-level package its class lives in (the module
-    alone when it is not in a package); for ``reprotrain``'s own classes, the
+    alone when it is not in a package; for a namespace package, one without an
+    ``__init__.py``, its folders inside the repository); for ``reprotrain``'s own classes, the
     module's import closure, the rule the stages' own code hash follows; none
     for a class installed in site-packages (the lock pins it). Then each entry
     of the section's ``code:`` list, relative to ``root`` (the repository root,
@@ -417,17 +418,17 @@ def code_files(component: ResolvedComponent, root: Path | None = None) -> list[P
         spec = importlib.util.find_spec(top)
         origin = Path(spec.origin) if spec and spec.origin else None
         if origin is not None and origin.is_file() and not _installed(origin):
-            if not origin.resolve().is_relative_to(root.resolve()):
-                raise ConfigError(
-                    f"{component.key}.class_path: {component.class_path} comes from {origin}, "
-                    f"outside the repository ({root}), where DVC cannot track it; move its "
-                    "package into the repository, or install it from the lock"
-                )
+            _refuse_outside(component, origin, root)
             if spec.submodule_search_locations:
                 for folder in spec.submodule_search_locations:
                     files.update(_tree(Path(folder), "*.py"))
             else:
                 files.add(origin.resolve())
+        elif spec is not None and spec.submodule_search_locations:  # a namespace package:
+            for folder in map(Path, spec.submodule_search_locations):  # no __init__.py
+                if not _installed(folder):
+                    _refuse_outside(component, folder, root)
+                    files.update(_tree(folder, "*.py"))
     for index, entry in enumerate(component.code):
         path = root / entry
         if path.is_file():
@@ -449,6 +450,16 @@ def _tree(folder: Path, pattern: str) -> list[Path]:
         for path in folder.rglob(pattern)
         if path.is_file() and "__pycache__" not in path.parts
     ]
+
+
+def _refuse_outside(component: ResolvedComponent, source: Path, root: Path) -> None:
+    """Refuse code of ``component`` that is not installed and lies outside the repository."""
+    if not source.resolve().is_relative_to(root.resolve()):
+        raise ConfigError(
+            f"{component.key}.class_path: {component.class_path} comes from {source}, "
+            f"outside the repository ({root}), where DVC cannot track it; move its "
+            "package into the repository, or install it from the lock"
+        )
 
 
 def _installed(path: Path) -> bool:
