@@ -557,6 +557,17 @@ def test_code_the_train_stage_does_not_depend_on_is_refused_by_name(
         check_code_tracked(recipe, [(tmp_path / "data").resolve()], dvc_yaml)
     line = str(refused.value)
     assert line.startswith("data.class_path: untracked.model.Data: its code untracked/")
-    assert "add `- untracked` to its deps" in line
+    assert "not among the train stage's deps" in line and "add `- untracked` to" in line
     # Control: with the package among the deps, nothing is refused.
-    check_code_tracked(recipe, [(tmp_path / "untracked").resolve()], dvc_yaml)
+    package = (tmp_path / "untracked").resolve()
+    check_code_tracked(recipe, [package], dvc_yaml)
+    # A code: entry the deps miss is named by its key, for the stage checked.
+    (tmp_path / "vocab.txt").write_text("abc")
+    sections["model"]["code"] = ["vocab.txt"]
+    recipe = resolve_recipe(parse_params(params_with(sections)))
+    with pytest.raises(ConfigError) as refused:
+        check_code_tracked(recipe, [package], dvc_yaml, "evaluate")
+    assert str(refused.value).startswith(
+        "model.code[0]: 'vocab.txt': its code vocab.txt is not among the evaluate stage's deps"
+    )
+    check_code_tracked(recipe, [package, (tmp_path / "vocab.txt").resolve()], dvc_yaml)

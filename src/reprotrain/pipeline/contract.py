@@ -223,27 +223,41 @@ def _named_paths(component: ResolvedComponent) -> set[Path]:
     }
 
 
-def check_code_tracked(recipe: Recipe, deps: list[Path], dvc_yaml: Path) -> None:
+def check_code_tracked(
+    recipe: Recipe, deps: list[Path], dvc_yaml: Path, stage: str = "train"
+) -> None:
     """Refuse a recipe whose code (:func:`~reprotrain.pipeline.recipe.code_files`: the
-    classes' package, their ``code:`` entries) is not under a dep of the train stage: the
-    run ID hashes it, but DVC would not rerun train when it changes, and the model on disk
-    would stay the old code's, silently. reprotrain's own classes are the stages' code."""
+    classes' package, their ``code:`` entries) is not under a dep of ``stage``: the run ID
+    hashes it, but DVC would not rerun the stage when it changes, and its outputs would
+    stay the old code's, silently. reprotrain's own classes are the stages' code."""
+    import dataclasses
+
     from reprotrain.pipeline.recipe import code_files
 
     root = Path.cwd().resolve()
     for component in recipe.components:
         if component.cls.__module__.split(".")[0] == "reprotrain":
             continue
-        for file in code_files(component, root):
-            if any(file == dep or file.is_relative_to(dep) for dep in deps):
-                continue
-            where = file.relative_to(root) if file.is_relative_to(root) else file
-            add = where.parts[0] if len(where.parts) > 1 else where
-            raise ConfigError(
-                f"{component.key}.class_path: {component.class_path}: its code {where} is not "
-                f"among the train stage's deps in {dvc_yaml}, so DVC would not rerun train when "
-                f"it changes (the model would stay the old code's); add `- {add}` to its deps"
+        package = dataclasses.replace(component, code=())
+        named = [(f"{component.key}.class_path: {component.class_path}", package)]
+        named += [
+            (
+                f"{component.key}.code[{index}]: {entry!r}",
+                dataclasses.replace(package, code=(entry,)),
             )
+            for index, entry in enumerate(component.code)
+        ]
+        for what, part in named:
+            for file in code_files(part, root):
+                if any(file == dep or file.is_relative_to(dep) for dep in deps):
+                    continue
+                where = file.relative_to(root) if file.is_relative_to(root) else file
+                add = where.parts[0] if len(where.parts) > 1 else where
+                raise ConfigError(
+                    f"{what}: its code {where} is not among the {stage} stage's deps in "
+                    f"{dvc_yaml}, so DVC would not rerun {stage} when it changes (its outputs "
+                    f"would stay the old code's); add `- {add}` to its deps"
+                )
 
 
 def check_datasets(datamodule: Any) -> None:

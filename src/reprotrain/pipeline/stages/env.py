@@ -212,15 +212,17 @@ def check_stage_params() -> None:
 
 
 def check_train_deps(recipe: Recipe) -> None:
-    """Under ``dvc repro``, refuse a recipe whose code the train stage does not depend on
-    (:func:`~reprotrain.pipeline.contract.check_code_tracked`)."""
+    """Under ``dvc repro``, refuse a recipe whose code the train or evaluate stage does not
+    depend on (:func:`~reprotrain.pipeline.contract.check_code_tracked`)."""
     from reprotrain.pipeline.command import stage_deps
     from reprotrain.pipeline.contract import check_code_tracked
     from reprotrain.pipeline.kept import pipeline_file
 
-    if (dvc_yaml := pipeline_file()) is None or (deps := stage_deps("train", dvc_yaml)) is None:
+    if (dvc_yaml := pipeline_file()) is None:
         return
-    check_code_tracked(recipe, deps, dvc_yaml)
+    for stage in ("train", "evaluate"):  # each builds the classes; a missing stage: None
+        if (deps := stage_deps(stage, dvc_yaml)) is not None:
+            check_code_tracked(recipe, deps, dvc_yaml, stage)
 
 
 def scores_in_pipeline() -> bool:
