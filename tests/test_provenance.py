@@ -103,6 +103,25 @@ def test_a_dvc_lock_that_is_not_dvcs_yaml_is_one_checksum_error(tmp_path: Path) 
     assert verify_dvc_checksum(data, lock) == (md5_file(data), None)
 
 
+def test_a_lock_in_a_subfolder_is_read_against_each_stages_wdir(tmp_path: Path) -> None:
+    data = tmp_path / "data.bin"  # the repository root: the stage's wdir
+    data.write_bytes(b"abc")
+    pipeline = tmp_path / "pipelines" / "mine"
+    pipeline.mkdir(parents=True)
+    (pipeline / "dvc.yaml").write_text("stages:\n  prepare:\n    wdir: ../..\n    cmd: x\n")
+    lock = pipeline / "dvc.lock"
+    lock.write_text(
+        f"stages:\n  prepare:\n    outs:\n    - path: data.bin\n      md5: {md5_file(data)}\n"
+    )
+    assert verify_dvc_checksum(data, lock) == (md5_file(data), md5_file(data))
+    data.write_bytes(b"abd")
+    with pytest.raises(ChecksumError, match="does not match"):
+        verify_dvc_checksum(data, lock)
+    # Control: without the dvc.yaml that names the wdir, the lock places nothing there.
+    (pipeline / "dvc.yaml").unlink()
+    assert verify_dvc_checksum(data, lock)[1] is None
+
+
 # --- through DVC ---------------------------------------------------------------------------
 
 

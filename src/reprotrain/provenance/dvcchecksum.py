@@ -128,7 +128,9 @@ def recorded_entries(
     file: Path, fix: str = LOCK_FIX, *, lock: bool = True, key: str = "outs"
 ) -> list[dict[str, Any]]:
     """The ``key`` entries (``outs`` or ``deps``) of a ``dvc.lock`` (``lock``: under each
-    stage) or of a ``.dvc`` file.
+    stage) or of a ``.dvc`` file, each ``path`` relative to the file's folder: DVC writes a
+    lock's paths relative to each stage's ``wdir``, which the ``dvc.yaml`` beside it names
+    (``wdir: ../..`` in a subfolder's pipeline).
 
     A file DVC would not have written (bad YAML, a list, a stage with no mapping, an
     entry with no path) is one :class:`ChecksumError` that names it, with ``fix``.
@@ -147,6 +149,7 @@ def recorded_entries(
     stages = (spec.get("stages") or {}) if lock else {None: spec}
     if not isinstance(stages, dict):
         raise ChecksumError(f"{file}: `stages` is not a mapping of stage names; {fix}")
+    wdirs = _stage_wdirs(file.with_name("dvc.yaml")) if lock else {}
     records: list[dict[str, Any]] = []
     for name, stage in stages.items():
         where = f"{file}: stage {name!r}" if lock else str(file)
@@ -157,8 +160,25 @@ def recorded_entries(
             isinstance(entry, dict) and isinstance(entry.get("path"), str) for entry in entries
         ):
             raise ChecksumError(f"{where}: `{key}` is not a list of entries with a path; {fix}")
-        records += entries
+        wdir = wdirs.get(name, ".")
+        records += [{**e, "path": os.path.normpath(Path(wdir) / e["path"])} for e in entries]
     return records
+
+
+def _stage_wdirs(dvc_yaml: Path) -> dict[str, str]:
+    """Each stage's ``wdir`` in ``dvc_yaml`` (none given: its folder); none for a file that
+    cannot be read (DVC would refuse it before any stage runs)."""
+    try:
+        stages = (yaml.safe_load(dvc_yaml.read_text(encoding="utf-8")) or {}).get("stages")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        return {}
+    if not isinstance(stages, dict):
+        return {}
+    return {
+        str(name): str(stage.get("wdir", "."))
+        for name, stage in stages.items()
+        if isinstance(stage, dict) and "${" not in str(stage.get("wdir", "."))
+    }
 
 
 def verify_dvc_checksum(path: str | Path, dvc_lock: str | Path) -> tuple[str, str | None]:
