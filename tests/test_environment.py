@@ -189,3 +189,33 @@ def test_env_prints_outside_a_repository_under_the_default_profile(tmp_path: Pat
     written = run_cli("env", "--lock", LOCK, "--out", tmp_path / "e.json", cwd=tmp_path)
     assert written.returncode == 2 and "params.yaml: file not found" in written.stderr
     assert not (tmp_path / "e.json").exists()
+
+
+class _Dist:
+    """A distribution as importlib.metadata gives one: its name and its direct_url.json."""
+
+    def __init__(self, name: str, direct_url: dict | None) -> None:
+        self.metadata = {"Name": name}
+        self._text = None if direct_url is None else json.dumps(direct_url)
+
+    def read_text(self, filename: str) -> str | None:
+        return self._text if filename == "direct_url.json" else None
+
+
+def test_a_project_installed_editable_from_the_repository_is_its_own_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from importlib import metadata
+
+    from reprotrain.provenance.environment import editable_packages
+
+    inside, outside = tmp_path / "repo", tmp_path / "elsewhere"
+    dists = [
+        _Dist("mypkg", {"url": f"file://{inside}", "dir_info": {"editable": True}}),
+        _Dist("theirs", {"url": f"file://{outside}", "dir_info": {"editable": True}}),
+        _Dist("built", {"url": f"file://{inside}", "dir_info": {}}),  # installed, not editable
+        _Dist("numpy", None),
+    ]
+    monkeypatch.setattr(metadata, "distributions", lambda: dists)
+    assert editable_packages(inside) == ["mypkg"]
+    assert editable_packages(outside) == ["theirs"]  # control: another repository's

@@ -286,6 +286,29 @@ def lock_status(lock: str | Path, ignore_packages: Iterable[str] = ()) -> dict[s
     }
 
 
+def editable_packages(root: Path) -> list[str]:
+    """Distributions installed editable (PEP 610) from a folder inside ``root``: a project's
+    own package (``pip install -e .``), whose files the run ID hashes; ``pip freeze`` writes
+    it as ``-e <folder>``, which pins no version, so it is no drift from the lock."""
+    import json
+    from urllib.parse import unquote, urlparse
+
+    names = []
+    for dist in metadata.distributions():
+        try:
+            info = json.loads(dist.read_text("direct_url.json") or "{}")
+        except ValueError:
+            continue
+        if not isinstance(info, dict) or not (info.get("dir_info") or {}).get("editable"):
+            continue
+        url = str(info.get("url", ""))
+        if not url.startswith("file://"):
+            continue
+        if Path(unquote(urlparse(url).path)).resolve().is_relative_to(root.resolve()):
+            names.append(dist.metadata["Name"])
+    return sorted(names)
+
+
 def git_state(repo: str | Path, exclude: Iterable[str] = ()) -> dict[str, Any]:
     """``{"commit": sha or None, "dirty": bool or None}``; ``exclude`` are pathspecs to ignore."""
 

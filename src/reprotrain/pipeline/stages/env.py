@@ -47,7 +47,13 @@ from reprotrain.pipeline.command import (
 )
 from reprotrain.pipeline.config import Params, load_params
 from reprotrain.pipeline.errors import DataError
-from reprotrain.provenance.environment import HOST_KEY, bit_deciding, capture_environment, git_state
+from reprotrain.provenance.environment import (
+    HOST_KEY,
+    bit_deciding,
+    capture_environment,
+    editable_packages,
+    git_state,
+)
 
 if TYPE_CHECKING:  # numpy, for the raw data: only when the stage checks it
     from reprotrain.pipeline.preflight import PlannedOutputs
@@ -126,7 +132,8 @@ def whole_environment(lock: Path | None = None, params: Params | None = None) ->
     # configure_determinism sets this default in the training process; record it as in force.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
     params = params if params is not None else load_params(Path("params.yaml"))
-    record = capture_environment(lock, NOT_LOCKED, params.cpu.to_profile())
+    own = (*NOT_LOCKED, *editable_packages(Path.cwd()))  # the project's own package, if any
+    record = capture_environment(lock, own, params.cpu.to_profile())
     # The world size decides the bits unless train.world_size_invariant; dvc.yaml's train
     # stage lists none of these keys, so they reach its cache key here, or do not.
     record["processes"] = params.train.process_layout()
