@@ -416,6 +416,12 @@ def test_outputs_the_commits_code_does_not_make_are_not_rebuilt(
     model = repo / "scaled" / "model.py"
     model.write_text(SCALED.replace("SCALE = 1.0", "SCALE = 1.001"))
     edit_once(repo / "params.yaml", "reprotrain.recipes.digits.Classifier", "scaled.model.Scaled")
+    pipeline = repo / "dvc.yaml"  # the stages that build the model depend on its package
+    pipeline.write_text(
+        pipeline.read_text().replace(
+            "      - src/reprotrain\n", "      - src/reprotrain\n      - scaled\n"
+        )
+    )
     run_checked("dvc", "repro", "dvc.yaml", cwd=repo)
     model.write_text(SCALED)
     commit_all(repo, "outputs of a line that is not committed")

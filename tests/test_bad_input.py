@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.helpers import DELETE, cli_env, params_with, train_argv
+from tests.helpers import DELETE, ROOT, cli_env, params_with, train_argv
 
 #: Words that tell the user what to do; every error line holds one of them.
 ACTIONS = (
@@ -95,6 +95,12 @@ class Weighted(DigitsData):
         return DataLoader(data, batch_size=16, sampler=sampler)
 """,
 }
+# The stages that build its classes depend on it, as the env stage asks of a user's code.
+USER_PACKAGE["dvc.yaml"] = (
+    (ROOT / "dvc.yaml")
+    .read_text()
+    .replace("      - src/reprotrain\n", "      - src/reprotrain\n      - userpkg\n")
+)
 NORMED = {
     "model": {"class_path": "userpkg.model.NormedClassifier", "init_args": {}},
     "train.world_size_invariant": True,
