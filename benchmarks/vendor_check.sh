@@ -9,10 +9,12 @@
 # 3. reference: `reprotrain verify --reference HEAD` (what `make check-reference` runs:
 #    the committed dvc.lock and reports/ rebuilt here, at HEAD, not the working tree).
 # One line per check, then the tools' own output for any that differ; exit 0 only when
-# every check gave the same bits. A reference with the same outputs and another deciding
-# record (verify's exit 6) counts as the same bits, and its verdict, which names the
-# fields, is printed: on the other vendor, cpu.vendor alone is what the docs expect, and
-# then cpu.vendor can leave the deciding record (docs/cpu-profile.md says how).
+# every check gave the same bits. Under cpu.profile portable no fact of the host CPU is in
+# the deciding record (its vendor neither), so a host of either vendor with the same bits
+# says REPRODUCED (verify's exit 0). The same outputs under another deciding record
+# (verify's exit 6: another Python minor, a lock not committed...) count as the same bits
+# too, and that verdict, naming every pipeline's record files and the fields, is printed;
+# verify's exit 1 is an output whose bits differ.
 # This host's side (host.json with the CPU and the kernel digest, traces, op recordings)
 # stays in OUT (default: a new folder, named at the end) for the table and for opdiff.
 set -euo pipefail

@@ -15,9 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from reprotrain.cpuprofile import CpuProfile
-from reprotrain.hashing import load_safetensors, sha256_state_dict
-from reprotrain.provenance.environment import bit_deciding, capture_environment
+from reprotrain.cpuprofile import CpuProfile, host_cpu_flags
+from reprotrain.hashing import load_safetensors, sha256_file, sha256_state_dict
+from reprotrain.provenance.environment import (
+    DECIDING_CPU_FIELDS,
+    bit_deciding,
+    capture_environment,
+)
 from tests.helpers import ROOT, run_checked, run_cli, run_in_process, train_argv
 
 LOCK = ROOT / "requirements-cpu.lock"
@@ -33,6 +37,7 @@ NEW_CPU = {
     "ATEN_CPU_CAPABILITY": "avx512",
 }
 FAKE_CPU = {"PYTHONPATH": str(ROOT / "tests" / "inject"), "REPROTRAIN_TEST_CPU": "xeon-avx512"}
+NO_FMA = {**FAKE_CPU, "REPROTRAIN_TEST_CPU": "no-fma"}
 
 
 def _train(prepared: Path, env: Path, out: Path, *extra: str, **variables: str) -> tuple:
@@ -53,6 +58,8 @@ def _threads(out: Path) -> tuple[int, int]:
     return runtime["num_threads"], runtime["num_interop_threads"]
 
 
+#: A training run's files whose md5 dvc.lock holds.
+TRACKED = ("model.safetensors", "trace.safetensors", "metrics.json", "run.json")
 #: The runs at cpu.threads: 2, by their folder.
 TWO = {"portable, 2 threads": "p2", "native, 2 threads": "n2"}
 
@@ -79,6 +86,9 @@ def runs(prepared: Path, env_record: Path, tmp_path_factory: pytest.TempPathFact
         ),
     }
     out["threads"] = {name: _threads(work / folder) for name, folder in TWO.items()}
+    out["bytes"] = {
+        folder: tuple(sha256_file(work / folder / f) for f in TRACKED) for folder in ("p", "p2")
+    }
     return out
 
 
@@ -98,6 +108,8 @@ def test_portable_gives_the_same_bits_at_any_thread_count(runs: dict) -> None:
     """cpu.threads under portable: the GEMM's threads share fixed blocks; ATen runs on one."""
     assert runs["portable, 2 threads"] == runs["portable"]
     assert runs["threads"]["portable, 2 threads"] == (1, 1)  # ATen's intra-op, inter-op
+    # and it moves no tracked byte: the files DVC hashes are the same bytes
+    assert runs["bytes"]["p2"] == runs["bytes"]["p"]
 
 
 def test_native_at_two_threads_trains_other_bits_than_at_one(runs: dict) -> None:
@@ -152,28 +164,45 @@ def test_bad_profile_params_name_the_key(override: str, key: str) -> None:
         CpuProfile(*(("fast", 1) if key == "cpu.profile" else ("portable", 0)))
 
 
-def test_another_cpu_model_of_the_vendor_leaves_the_key_alone_only_under_portable(
+def test_which_cpu_facts_decide_the_bits_under_each_profile(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Under portable no fact of the host CPU is in the key, its vendor neither (an Intel
+    Xeon and AMD EPYCs trained the same bits: docs/cpu/); under native, and with no
+    profile, they are; each fact of another CPU moves exactly the keys it decides."""
+    import reprotrain.cpuprofile as cpuprofile
     import reprotrain.provenance.environment as environment
 
-    here = {
-        p: bit_deciding(capture_environment(LOCK, cpu_profile=CpuProfile(p)))
-        for p in ("portable", "native")
-    }
+    profiles = {"portable": CpuProfile("portable"), "native": CpuProfile("native"), "none": None}
+
+    def keys() -> dict:
+        return {
+            name: bit_deciding(capture_environment(LOCK, cpu_profile=profile))
+            for name, profile in profiles.items()
+        }
+
+    here, facts = keys(), environment.cpu_facts()
     whole = capture_environment(LOCK, cpu_profile=CpuProfile("portable"))
-    assert "model" not in whole["cpu"] and whole["host"]["cpu"]["model"]
-    assert "kernel" not in whole["os"] and whole["host"]["kernel"]
-    vendor = whole["cpu"]["vendor"]
-    other = {"model": "Xeon", "dispatch_flags": ["avx2", "avx512f"], "usable_cpus": 64}
-    monkeypatch.setattr(environment, "cpu_facts", lambda: {**other, "vendor": vendor})
-    there = {p: bit_deciding(capture_environment(LOCK, cpu_profile=CpuProfile(p))) for p in here}
-    assert there["portable"] == here["portable"]
-    assert there["native"] != here["native"]
-    # Another vendor: an Intel Xeon trained other bits than AMD EPYCs under portable.
-    monkeypatch.setattr(environment, "cpu_facts", lambda: {**other, "vendor": vendor + "-other"})
-    elsewhere = bit_deciding(capture_environment(LOCK, cpu_profile=CpuProfile("portable")))
-    assert elsewhere != here["portable"] and elsewhere["cpu"]["vendor"] == vendor + "-other"
+    assert whole["host"]["cpu"] == facts  # every fact still recorded, as information
+    assert {"vendor", "model", "dispatch_flags", "usable_cpus"}.isdisjoint(whole["cpu"])
+    other = {
+        "vendor": "AuthenticAMD" if facts["vendor"] == "GenuineIntel" else "GenuineIntel",
+        "model": "Another CPU",
+        "dispatch_flags": ["avx2", "fma", "avx512f"],
+        "usable_cpus": facts["usable_cpus"] + 62,
+    }
+    assert DECIDING_CPU_FIELDS["portable"] == ()
+    for field, value in other.items():
+        monkeypatch.setattr(environment, "cpu_facts", lambda f=field, v=value: {**facts, f: v})
+        there = keys()
+        for name in profiles:
+            decides = field in DECIDING_CPU_FIELDS[name]
+            assert (there[name] != here[name]) == decides, (field, name)
+            assert there[name]["cpu"].get(field, value) == value, (field, name)
+    # negative control: what does decide the bits under portable still moves its key
+    monkeypatch.setattr(environment, "cpu_facts", lambda: facts)
+    monkeypatch.setattr(cpuprofile, "openblas_version", lambda: "0.3.99")
+    assert keys()["portable"] != here["portable"]
 
 
 def test_dvc_repro_on_another_cpu_family_is_a_cache_hit(repo_copy: Path) -> None:
@@ -184,18 +213,19 @@ def test_dvc_repro_on_another_cpu_family_is_a_cache_hit(repo_copy: Path) -> None
     host = json.loads((repo_copy / "reports" / "host.json").read_text())
     assert host["cpu"]["model"].startswith("Intel")
     # Under portable cpu.threads decides the speed alone: another count is a cache hit too,
-    # and only params.yaml and the env stage's params in dvc.lock change.
+    # and moves no tracked byte but the user's own edit of params.yaml.
     params = repo_copy / "params.yaml"
     assert params.read_text().count("  threads: 1\n") == 1
     params.write_text(params.read_text().replace("  threads: 1\n", "  threads: 2\n"))
     out = run_checked("dvc", "repro", cwd=repo_copy)
     assert "Running stage 'train'" not in out and "Running stage 'prepare'" not in out
     changed = run_checked("git", "status", "--porcelain", cwd=repo_copy).split()
-    assert sorted(changed[1::2]) == ["dvc.lock", "params.yaml"], changed
-    lock = run_checked("git", "diff", "-U0", "dvc.lock", cwd=repo_copy)
-    assert [line.split() for line in lock.splitlines() if line.startswith("+ ")] == [
-        ["+", "threads:", "2"]
-    ]
+    assert changed[1::2] == ["params.yaml"], changed
+    # negative control: a setting that decides the bits moves dvc.lock (and retrains)
+    params.write_text(params.read_text().replace("  profile: portable\n", "  profile: native\n"))
+    out = run_checked("dvc", "repro", "env", cwd=repo_copy)
+    changed = run_checked("git", "status", "--porcelain", cwd=repo_copy).split()
+    assert "dvc.lock" in changed and "reports/environment.json" in changed, changed
 
 
 _EMULATION_PROBE = """
@@ -234,3 +264,75 @@ def test_a_cublas_setting_that_is_not_deterministic_is_refused_by_the_first_stag
     # Control: a deterministic value passes.
     done = run_cli("env", "--lock", LOCK, "--out", out, cwd=ROOT, CUBLAS_WORKSPACE_CONFIG=":16:8")
     assert done.returncode == 0, done.stderr
+
+
+def test_a_cpu_without_avx2_or_fma_is_named_with_the_way_out() -> None:
+    portable = CpuProfile("portable")
+    assert portable.unsupported_here({"avx2", "fma", "sse4_2"}) is None
+    line = portable.unsupported_here({"avx", "sse4_2"})
+    assert line is not None and "\n" not in line
+    assert "lacks AVX2, FMA" in line and "cpu.profile: native" in line
+    assert "lacks FMA (" in (portable.unsupported_here({"avx2"}) or "")
+    assert CpuProfile("native").unsupported_here(frozenset()) is None  # its own kernels
+    assert "fma" in host_cpu_flags()  # this CPU (the suite needs AVX2 and FMA itself)
+
+
+def test_configure_determinism_refuses_such_a_cpu_and_routes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import reprotrain.cpuprofile as cpuprofile
+    from reprotrain import portable_kernels
+
+    monkeypatch.setattr(cpuprofile, "host_cpu_flags", lambda: frozenset({"avx", "avx2"}))
+    problems = CpuProfile("portable").apply()
+    try:
+        assert [p for p in problems if "lacks FMA" in p], problems
+        assert portable_kernels._state["library"] is None  # no pinned OpenBLAS call: no SIGILL
+    finally:
+        monkeypatch.undo()
+        CpuProfile("native").apply()
+
+
+def test_the_env_stage_and_run_refuse_such_a_cpu_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "environment.json"
+    refused = run_cli("env", "--lock", LOCK, "--out", out, cwd=ROOT, **NO_FMA)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert "lacks FMA" in lines[0] and "set cpu.profile: native" in lines[0]
+    assert not out.exists()
+    mark = tmp_path / "started"
+    started = run_cli(
+        "run", "--cpu-profile", "portable", "--", "touch", mark, cwd=tmp_path, **NO_FMA
+    )
+    assert started.returncode == 2 and "use --cpu-profile native" in started.stderr
+    assert not mark.exists()
+    # control: the same CPU under native, and this CPU's own flags, pass
+    ran = run_cli("run", "--cpu-profile", "native", "--", "touch", mark, cwd=tmp_path, **NO_FMA)
+    assert ran.returncode == 0 and mark.exists(), ran.stderr
+    assert run_cli("env", "--lock", LOCK, "--out", out, cwd=ROOT).returncode == 0
+
+
+def test_every_cpu_recorded_since_sqrt_was_routed_trained_the_same_bits() -> None:
+    """docs/cpu/<host>/: each host's side of both recipes (benchmarks/vendor_side.sh). Those
+    made with sqrt routed (a kernel digest in host.json) hold one set of bits across Intel
+    and AMD, AVX2 and AVX-512; the older amd-zen4 side (sqrt through MKL) is the control."""
+    sides = {p.parent.name: p.parent for p in (ROOT / "docs" / "cpu").glob("*/host.json")}
+    hosts = {name: json.loads((side / "host.json").read_text()) for name, side in sides.items()}
+    routed = {name: host for name, host in hosts.items() if "kernel_bits_all_rows" in host}
+    assert {"intel-xeon", "amd-zen3", "amd-zen5"} <= set(routed)
+    assert {host["cpu"]["vendor_id"] for host in routed.values()} == {
+        "GenuineIntel",
+        "AuthenticAMD",
+    }
+    assert len({host["kernel_bits_all_rows"] for host in routed.values()}) == 1
+    weights = {json.dumps(host["weights_sha256_state_dict"]) for host in routed.values()}
+    assert len(weights) == 1
+    for recipe in ("digits", "lm"):
+        traces = {
+            sha256_state_dict(load_safetensors(sides[name] / f"{recipe}-trace.safetensors")[0])
+            for name in routed
+        }
+        assert len(traces) == 1, recipe
+    assert json.dumps(hosts["amd-zen4"]["weights_sha256_state_dict"]) not in weights

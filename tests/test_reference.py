@@ -28,6 +28,11 @@ REFERENCE_FILES = (
     "reports/run.json",
     "reports/metrics.json",
     "reports/train_metrics.json",
+    # the second pipeline, in a subfolder (its stages' wdir is the root)
+    "pipelines/lm/dvc.yaml",
+    "pipelines/lm/dvc.lock",
+    "pipelines/lm/reports/environment.json",
+    "pipelines/lm/reports/run.json",
 )
 
 
@@ -42,33 +47,39 @@ def reference(tmp_path: Path) -> Path:
     return repo
 
 
-def _rewrite_record(repo: Path, field: tuple[str, str], value: str) -> None:
-    """As a rerun on another host would: one environment field, and what follows from it."""
-    env_file = repo / "reports" / "environment.json"
+def _rewrite_record(repo: Path, field: tuple[str, str], value: str, pipeline: str = "") -> None:
+    """As a rerun on another host would: one environment field, and what follows from it,
+    in the pipeline whose folder is ``pipeline`` ("" the root's)."""
+    folder = repo / pipeline
+    env_file = folder / "reports" / "environment.json"
     record = json.loads(env_file.read_text())
     record[field[0]][field[1]] = value
     env_file.write_text(json.dumps(record, sort_keys=True))
-    run = json.loads((repo / "reports" / "run.json").read_text())
+    run = json.loads((folder / "reports" / "run.json").read_text())
     run["inputs"]["environment_sha256"] = "0" * 64
     run["run_id"] = "1" * 64
-    (repo / "reports" / "run.json").write_text(json.dumps(run, sort_keys=True))
-    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    (folder / "reports" / "run.json").write_text(json.dumps(run, sort_keys=True))
+    lock = yaml.safe_load((folder / "dvc.lock").read_text())
+    records = [
+        f"{pipeline}/reports/{name}".lstrip("/") for name in ("environment.json", "run.json")
+    ]
     for stage in lock["stages"].values():
         for dep in stage.get("deps", []):
-            if dep["path"] == "reports/environment.json":
+            if dep["path"] == records[0]:
                 dep["md5"] = "2" * 32
         for out in stage.get("outs", []):
-            if out["path"] == "reports/run.json":
+            if out["path"] == records[1]:
                 out["md5"] = "3" * 32
-    (repo / "dvc.lock").write_text(yaml.safe_dump(lock, sort_keys=False))
+    (folder / "dvc.lock").write_text(yaml.safe_dump(lock, sort_keys=False))
 
 
-def _change_model_md5(repo: Path) -> None:
-    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+def _change_model_md5(repo: Path, pipeline: str = "") -> None:
+    lock_file = repo / pipeline / "dvc.lock"
+    lock = yaml.safe_load(lock_file.read_text())
     for out in lock["stages"]["train"]["outs"]:
-        if out["path"] == "models/model.safetensors":
+        if out["path"].endswith("models/model.safetensors"):
             out["md5"] = "4" * 32
-    (repo / "dvc.lock").write_text(yaml.safe_dump(lock, sort_keys=False))
+    lock_file.write_text(yaml.safe_dump(lock, sort_keys=False))
 
 
 def test_an_unchanged_clone_is_reproduced(reference: Path) -> None:
@@ -102,6 +113,28 @@ def test_a_changed_model_is_an_output_difference_whatever_the_record(reference: 
         f"dvc.lock: train/models/model.safetensors md5 {_committed_model_md5()} -> {'4' * 32}"
     ]
     assert [d.key for d in changes.environment] == ["os.system"]
+
+
+def test_a_record_only_change_in_every_pipeline_is_one_verdict_listing_all_files(
+    reference: Path,
+) -> None:
+    # another CPU vendor under native, say: both pipelines' records and locks move
+    for pipeline in ("", "pipelines/lm"):
+        _rewrite_record(reference, ("os", "system"), "Plan9", pipeline)
+    changes = classify_changes(reference, "HEAD", changed_paths(reference))
+    assert changes.outputs_identical, changes.outputs
+    assert sorted(changes.record_files) == sorted(
+        f"{folder}{name}"
+        for folder in ("", "pipelines/lm/")
+        for name in ("dvc.lock", "reports/environment.json", "reports/run.json")
+    )
+    assert [d.key for d in changes.environment] == ["os.system"]  # said once, not twice
+    # negative control: the subfolder pipeline's model is an output like the root's
+    _change_model_md5(reference, "pipelines/lm")
+    changes = classify_changes(reference, "HEAD", changed_paths(reference))
+    assert [line.split(" md5 ")[0] for line in changes.outputs] == [
+        "pipelines/lm/dvc.lock: train/pipelines/lm/models/model.safetensors"
+    ]
 
 
 def test_changed_metrics_and_new_files_are_output_differences(reference: Path) -> None:

@@ -28,14 +28,14 @@ def _set(repo: Path, section: str, key: str, value: object) -> None:
     (repo / RECORD).write_text(json.dumps(record))
 
 
-def test_another_cpu_vendor_is_named_in_one_line(tmp_path: Path) -> None:
+def test_another_torch_build_is_named_in_one_line(tmp_path: Path) -> None:
     repo = _repo(tmp_path)
-    committed = json.loads((repo / RECORD).read_text())["cpu"]["vendor"]
-    other = "GenuineIntel" if committed != "GenuineIntel" else "AuthenticAMD"
-    _set(repo, "cpu", "vendor", other)
+    committed = json.loads((repo / RECORD).read_text())["torch"]["version"]
+    other = "2.99.0+cpu"
+    _set(repo, "torch", "version", other)
     line = reference_note(repo, RECORD)
     assert line is not None and "\n" not in line
-    assert f"cpu.vendor {committed} -> {other}" in line and "make check-reference" in line
+    assert f"torch.version {committed} -> {other}" in line and "make check-reference" in line
     done = run_cli("reference-note", RECORD, cwd=repo)
     assert done.returncode == 0 and done.stdout.strip() == line
 

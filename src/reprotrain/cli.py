@@ -194,7 +194,7 @@ def _restart_for_determinism(args: argparse.Namespace) -> None:
         refuse_or_warn,
     )
     from reprotrain.hashing import read_safetensors_metadata
-    from reprotrain.pipeline.config import load_params, parse_params
+    from reprotrain.pipeline.config import load_params, parse_recorded_params
 
     if getattr(args, "cmd", None):  # verify -- CMD: its runs start as `run` starts them,
         return None  # never with the CPU profile of a params.yaml that happens to be here
@@ -203,7 +203,7 @@ def _restart_for_determinism(args: argparse.Namespace) -> None:
     if args.command == "evaluate":
         try:
             path = args.model
-            params = parse_params(read_safetensors_metadata(path)["params"], str(path))
+            params = parse_recorded_params(read_safetensors_metadata(path)["params"], str(path))
         except (OSError, ValueError, KeyError):
             return reexec_with_fixed_hash_seed(source)  # evaluate itself says what is wrong
     elif path.is_file():

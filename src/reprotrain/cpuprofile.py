@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
@@ -108,6 +109,20 @@ def openblas_library() -> Path:
     if not paths:
         raise FileNotFoundError(f"no libscipy_openblas*.so in {folder}: reinstall the lock")
     return paths[0]
+
+
+def host_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The instruction-set flags this CPU reports (``/proc/cpuinfo``); none where unreadable.
+
+    The one reader of the flags: the environment record and the profile's check take
+    them from here.
+    """
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    found = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
+    return frozenset(found.group(1).split()) if found else frozenset()
 
 
 #: The profile a launcher (``reprotrain run --cpu-profile``) started the process under, as
@@ -197,9 +212,34 @@ class CpuProfile:
             }
         return out
 
-    def missing_features(self, cpu_flags: set[str] | frozenset[str]) -> list[str]:
-        """The CPU flags this profile needs that ``cpu_flags`` (``/proc/cpuinfo``) lacks."""
-        return [f for f in PORTABLE_REQUIRES if f not in cpu_flags] if self.portable else []
+    def missing_features(self, cpu_flags: set[str] | frozenset[str] | None = None) -> list[str]:
+        """The CPU flags this profile needs that ``cpu_flags`` lacks (None: this CPU's,
+        :func:`host_cpu_flags`)."""
+        if not self.portable:
+            return []
+        flags = host_cpu_flags() if cpu_flags is None else cpu_flags
+        return [f for f in PORTABLE_REQUIRES if f not in flags]
+
+    def unsupported_here(
+        self,
+        cpu_flags: set[str] | frozenset[str] | None = None,
+        way_out: str = "set cpu.profile: native",
+    ) -> str | None:
+        """One line when this CPU cannot run the profile's kernels, else None.
+
+        ``portable`` pins ATen's AVX2 level and OpenBLAS's Haswell kernel, which both
+        need AVX2 and FMA: forced onto a CPU without them, the pinned OpenBLAS dies of an
+        illegal instruction (and ATen quietly runs other kernels). So the callers check
+        this before any process starts under the profile's variables.
+        """
+        if not (missing := self.missing_features(cpu_flags)):
+            return None
+        return (
+            f"the portable CPU profile needs a CPU with {' and '.join(PORTABLE_REQUIRES).upper()} "
+            f"(x86-64-v3: the pinned ATen level and OpenBLAS kernel), and this one lacks "
+            f"{', '.join(missing).upper()} (/proc/cpuinfo); {way_out} (this CPU's own kernels: "
+            "its bits then follow the CPU)"
+        )
 
     def apply(self) -> list[str]:
         """Set the in-process part (oneDNN, thread pools); return what is not in force.
@@ -223,7 +263,10 @@ class CpuProfile:
         ]
         torch.backends.mkldnn.enabled = not self.portable
         torch.set_num_threads(self.aten_threads)
-        if not self.portable:
+        if unsupported := self.unsupported_here():
+            portable_kernels.disable()  # the pinned OpenBLAS would die of SIGILL here
+            problems.append(unsupported)
+        elif not self.portable:
             portable_kernels.disable()
         else:
             try:
@@ -239,11 +282,10 @@ class CpuProfile:
                     "before running any model"
                 )
         capability = torch.backends.cpu.get_cpu_capability()
-        if self.portable and capability != PORTABLE_ATEN_LEVEL.upper():
+        if self.portable and not unsupported and capability != PORTABLE_ATEN_LEVEL.upper():
             problems.append(
-                f"ATen dispatches {capability} kernels, not {PORTABLE_ATEN_LEVEL.upper()}: this "
-                f"CPU lacks {'/'.join(PORTABLE_REQUIRES)} or ATEN_CPU_CAPABILITY was not set at "
-                "start; the portable profile cannot give the reference bits here, use the "
-                "native profile"
+                f"ATen dispatches {capability} kernels, not {PORTABLE_ATEN_LEVEL.upper()}: "
+                "ATEN_CPU_CAPABILITY was not set at start; the portable profile cannot give the "
+                "reference bits here, use the native profile"
             )
         return problems

@@ -15,7 +15,8 @@ its final checkpoint: before its first output, its trace, its run record, or jus
 of training step k (global step, on rank 0), as a preemption that lands mid-epoch at a chosen
 batch; the step finishes and the run stops with its interrupt checkpoint.
 ``REPROTRAIN_TEST_CPU=xeon-avx512`` makes the environment record see another CPU model of this
-machine's vendor (AVX-512, more cores) in place of this machine's.
+machine's vendor (AVX-512, more cores) in place of this machine's; ``no-fma`` a CPU whose flags
+lack FMA (what the portable profile needs with AVX2).
 """
 
 from __future__ import annotations
@@ -121,6 +122,18 @@ if os.environ.get("REPROTRAIN_TEST_KILL_AT") is not None:
         pipeline_train.write_run_record = _killing(pipeline_train.write_run_record)
     elif where == "cleanup":
         pipeline_train.write_run_record = _killing(pipeline_train.write_run_record, after=True)
+
+if os.environ.get("REPROTRAIN_TEST_CPU") == "no-fma":
+    # A CPU with AVX2 but no FMA, as the one reader of the CPU's flags reports it (patched
+    # before anything imports it by name).
+    import reprotrain.cpuprofile as cpuprofile
+
+    real_flags = cpuprofile.host_cpu_flags
+
+    def host_cpu_flags(*args: object) -> frozenset:
+        return real_flags(*args) - {"fma"}
+
+    cpuprofile.host_cpu_flags = host_cpu_flags
 
 if os.environ.get("REPROTRAIN_TEST_CPU") == "xeon-avx512":
     import reprotrain.provenance.environment as environment

@@ -1,15 +1,16 @@
 """``reprotrain reference-note``: after ``make repro``, one line when the committed reference
 was made on a machine whose deciding record moves the bits away from this one's.
 
-A fresh clone's ``make repro`` on another kind of machine (another CPU
-vendor, a GPU model) rewrites ``dvc.lock`` and ``reports/`` with the bits of
-this machine, and ``git status`` shows a dozen changed files with no word of
-why. This compares each pipeline's environment record in the workspace with
-the one committed at ``HEAD`` (:func:`~reprotrain.provenance.envdiff.compare_environments`)
-and, where fields that decide the bits differ, prints one line naming them,
-that the reference was made elsewhere, and ``make check-reference`` for the
-verdict. Nothing is printed when the records agree in those fields (exit 0
-either way: a note, not a check). No torch import.
+A fresh clone's ``make repro`` on another kind of machine (a GPU model, a CPU
+under ``cpu.profile: native``; under ``portable`` no CPU fact decides) rewrites
+``dvc.lock`` and ``reports/`` with the bits of this machine, and ``git status``
+shows a dozen changed files with no word of why. This compares each pipeline's
+environment record in the workspace with the one committed at ``HEAD``
+(:func:`~reprotrain.provenance.envdiff.compare_environments`) and, where fields
+that decide the bits differ, prints one line naming them, that the reference
+was made elsewhere, and ``make check-reference`` for the verdict. Nothing is
+printed when the records agree in those fields (exit 0 either way: a note, not
+a check). No torch import.
 """
 
 from __future__ import annotations

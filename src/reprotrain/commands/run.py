@@ -78,7 +78,10 @@ def launch_variables(profile: str | None = None, threads: int = 1) -> dict[str, 
         "CUBLAS_WORKSPACE_CONFIG": CUBLAS_DETERMINISTIC_CONFIGS[0],
     }
     if profile is not None:
-        fixed.update(CpuProfile(profile, threads).variables())
+        chosen = CpuProfile(profile, threads)
+        if problem := chosen.unsupported_here(way_out="use --cpu-profile native"):
+            raise DataError(problem)  # before CMD starts: its OpenBLAS would die of SIGILL
+        fixed.update(chosen.variables())
         fixed[LAUNCHED] = f"{profile}:{threads}"  # configure_determinism applies it in-process
     return fixed
 

@@ -19,8 +19,8 @@ attested commit from ``--repo`` (default: the repository the statement names),
 the commit's package installed from its own lock into its own environment
 (:func:`~reprotrain.commands._rebuild.clone_environment`), the env stage's
 record compared with the attested one (another record: UNVERIFIABLE HERE,
-naming the fields, exit 7: another GPU model or CPU vendor cannot rebuild the
-bits), then ``dvc repro`` of the attested pipeline and every subject compared:
+naming the fields, exit 7: another GPU model, or another CPU under ``native``,
+cannot rebuild the bits), then ``dvc repro`` of the attested pipeline and every subject compared:
 REBUILT, or NOT REBUILT naming the subjects that differ and, where ``--root``
 holds the attested trace, the first diverging step. A verified command is run
 once in the clone's working directory under the launch pins verify used, its

@@ -233,6 +233,16 @@ def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
     return parse_params(raw, source=str(path))
 
 
+def parse_recorded_params(raw: Mapping[str, Any], source: str) -> Params:
+    """Params as a model file's metadata records them: under ``cpu.profile: portable``
+    without ``cpu.threads``, which decided the speed alone (so any count writes the same
+    bytes); read back as one thread."""
+    cpu = raw.get("cpu")
+    if isinstance(cpu, Mapping) and "threads" not in cpu:
+        raw = {**raw, "cpu": {**cpu, "threads": 1}}
+    return parse_params(raw, source)
+
+
 def parse_params(raw: Mapping[str, Any], source: str = "params") -> Params:
     """Validate a plain mapping into :class:`Params`."""
     params = _build(Params, raw, prefix="", source=source)

@@ -33,16 +33,14 @@ import errno
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reprotrain.determinism import refuse_or_warn
 from reprotrain.pipeline.config import DEFAULT_MODEL, Params
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.rawdata import load_raw, split_sizes
-from reprotrain.provenance.environment import cpu_facts
 
 GIB = 2**30
 #: Bytes per parameter while training with Adam: weights, gradients, two moments (float32).
@@ -247,24 +245,14 @@ def preflight(
     model: Sizes,
     raw: RawData,
     gpus: list[dict[str, Any]],
-    cpu_flags: Iterable[str] | None = None,
     planned: PlannedOutputs | None = None,
 ) -> str:
     """Refuse, with one line, what would fail later in the pipeline; return what was checked.
 
-    ``raw`` from :func:`check_raw_data`; ``gpus`` and ``cpu_flags`` as the environment
-    record has them; ``cpu_flags``
-    None: this machine's. With ``planned``, also the outputs' folders (writable, room).
+    ``raw`` from :func:`check_raw_data`; ``gpus`` as the environment record has them.
+    With ``planned``, also the outputs' folders (writable, room). The CPU's features are
+    the env stage's own first check (:func:`reprotrain.pipeline.stages.env.check_cpu`).
     """
-    flags = set(cpu_facts()["dispatch_flags"] if cpu_flags is None else cpu_flags)
-    if (missing := params.cpu.to_profile().missing_features(flags)) and (
-        params.train.accelerator == "cpu"
-    ):
-        message = (
-            f"cpu.profile: portable needs a CPU with {', '.join(missing)} (x86-64-v3), which this "
-            "one lacks, so it cannot give the committed bits here; set cpu.profile: native"
-        )
-        refuse_or_warn(params.deterministic, message)
     source, shape, classes, sizes = raw.source, raw.shape, raw.classes, raw.splits
     wants_gpu = params.train.accelerator == "gpu"
     if wants_gpu and not gpus:

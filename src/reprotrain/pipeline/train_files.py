@@ -62,6 +62,10 @@ def write_outputs(
         data = recorded["data"]
         if data is not None and "num_workers" in data["init_args"]:
             recorded["data"] = {**data, "init_args": {**data["init_args"], "num_workers": 0}}
+    if params.cpu.to_profile().portable:
+        # cpu.threads decided the speed alone: out of the file, so any count writes these
+        # bytes (evaluate, which reads its params from here, then runs on one thread).
+        recorded["cpu"] = {k: v for k, v in recorded["cpu"].items() if k != "threads"}
     metadata = safetensors_metadata({"params": recorded, "determinism": settings.as_dict()})
     logger = fitted.logger
     train_loss = logger.rows(TRAIN_LOSS)

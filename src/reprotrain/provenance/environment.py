@@ -41,7 +41,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from reprotrain.cpuprofile import NEUTRALISED, CpuProfile
+from reprotrain.cpuprofile import NEUTRALISED, CpuProfile, host_cpu_flags
 from reprotrain.hashing import canonical_json, sha256_file
 
 #: CPU flags that change which SIMD kernels ATen and oneDNN pick.
@@ -78,6 +78,14 @@ SHAPING_VARIABLES = (
     "PYTHONHASHSEED",
     "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
 )
+#: The host CPU's facts (:func:`cpu_facts`) that decide the bits, by CPU profile ("none":
+#: no profile). Under ``portable`` none do: the pins and routed kernels give every x86-64
+#: CPU with AVX2 and FMA the same bits (tests/test_cpuprofile.py holds this rule).
+DECIDING_CPU_FIELDS: dict[str, tuple[str, ...]] = {
+    "portable": (),
+    "native": ("vendor", "model", "dispatch_flags"),
+    "none": ("vendor", "model", "dispatch_flags", "usable_cpus"),
+}
 #: The record's informational section: host facts that do not decide the bits.
 HOST_KEY = "host"
 #: Where the host section is written beside the deciding record (``env --host-out``).
@@ -104,11 +112,12 @@ def capture_environment(
 
     Everything but the ``host`` section decides the bits (:func:`bit_deciding`
     returns it). Under a ``portable`` :class:`~reprotrain.cpuprofile.CpuProfile`
-    the CPU model and flags are only informational: the profile's pins decide
-    the kernels instead, within one CPU vendor (an Intel Xeon trained other
-    bits than AMD EPYCs under the same pins: docs/cpu-profile.md), so the
-    vendor stays in the key. Under ``native`` they decide, and without a profile the
-    usable CPU count does too (torch's default thread count follows it).
+    the CPU's vendor, model and flags are only informational: the profile's pins
+    and routed kernels decide the bits instead, on any x86-64 CPU with AVX2 and FMA
+    (an Intel Xeon, an AMD EPYC Zen 3 and a Zen 5 trained both recipes to the same
+    bits: docs/cpu-profile.md, ``benchmarks/vendor_check.sh``). Under ``native`` the
+    vendor, model and flags decide, and without a profile the usable CPU count does
+    too (torch's default thread count follows it): :data:`DECIDING_CPU_FIELDS`.
     """
     cpu = cpu_facts()
     variables = {
@@ -118,17 +127,11 @@ def capture_environment(
     # Under portable these no longer change the kernels (oneDNN off, MKL's one code path).
     neutralised = NEUTRALISED if cpu_profile is not None and cpu_profile.portable else ()
     host_variables = {name: variables.pop(name) for name in neutralised}
-    if cpu_profile is None:
-        deciding_cpu = cpu
-    elif cpu_profile.portable:
-        deciding_cpu = {**cpu_profile.record(), "vendor": cpu["vendor"]}
-    else:
-        deciding_cpu = {
-            **cpu_profile.record(),
-            "vendor": cpu["vendor"],
-            "model": cpu["model"],
-            "dispatch_flags": cpu["dispatch_flags"],
-        }
+    profile = "none" if cpu_profile is None else cpu_profile.name
+    deciding_cpu = {
+        **({} if cpu_profile is None else cpu_profile.record()),
+        **{key: cpu[key] for key in DECIDING_CPU_FIELDS[profile]},
+    }
     return {
         "python": {"minor": _python_minor(), "implementation": sys.implementation.name},
         "torch": _torch_build(),
@@ -232,7 +235,7 @@ def _gpus() -> list[dict[str, str]]:
 
 def cpu_facts() -> dict[str, Any]:
     """This CPU's vendor and model name, its dispatch-relevant flags, and the CPUs usable here."""
-    model, vendor, flags = platform.processor() or "unknown", "unknown", set()
+    model, vendor = platform.processor() or "unknown", "unknown"
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -241,8 +244,7 @@ def cpu_facts() -> dict[str, Any]:
         model = found.group(1).strip()
     if found := re.search(r"^vendor_id\s*:\s*(.+)$", text, re.M):
         vendor = found.group(1).strip()
-    if found := re.search(r"^flags\s*:\s*(.+)$", text, re.M):
-        flags = set(found.group(1).split())
+    flags = host_cpu_flags()
     return {
         "vendor": vendor,
         "model": model,

@@ -35,7 +35,7 @@ from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import DeterminismError
 from reprotrain.hashing import canonical_json, load_safetensors
 from reprotrain.pipeline.command import Command, add_data_files, add_paths
-from reprotrain.pipeline.config import Params, parse_params
+from reprotrain.pipeline.config import Params, parse_recorded_params
 from reprotrain.pipeline.errors import DataError
 from reprotrain.provenance.dvcchecksum import verify_dvc_checksum
 
@@ -148,7 +148,7 @@ def read_model_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
 
     try:
         weights, meta = load_safetensors(path)
-        params = parse_params(meta["params"], source=f"{path} metadata")
+        params = parse_recorded_params(meta["params"], source=f"{path} metadata")
     except FileNotFoundError:
         raise DataError(f"{path}: model not found; run `dvc repro train`") from None
     except (SafetensorError, OSError, KeyError, ValueError) as err:
