@@ -356,3 +356,18 @@ def test_a_figure_that_drifts_from_bench_json_is_caught() -> None:
     rows = {row[0]: row[1:] for row in readme_cpu_rows(README.read_text(encoding="utf-8"))}
     (label,) = [key for key in rows if key.endswith("batch 64")]
     assert rows[label][1:] == drifted[1:] and rows[label][0] != drifted[0]
+
+
+README_TEST = re.compile(r"`tests/(test_\w+\.py::test_\w+)`")
+
+
+def test_every_test_the_readme_names_exists() -> None:
+    from tests.test_guarantees import missing
+
+    named = README_TEST.findall(README.read_text(encoding="utf-8"))
+    assert len(named) >= 8, named
+    problems = [problem for cell in named if (problem := missing(cell))]
+    assert not problems, problems
+    assert missing("test_train.py::test_that_was_renamed") == (
+        "test_train.py::test_that_was_renamed: no such test"
+    )
