@@ -215,3 +215,159 @@ def test_a_module_missing_from_the_architecture_map_is_caught(tmp_path: Path) ->
         "hashing.py",
         "compare/hashing.py",
     }
+
+
+README_MAX_WORDS = 1000
+SUMMARY_MAX_LINES = 5
+#: Pages another change owns for now: docs/architecture.md is being restructured with the
+#: package (its summary comes with that change).
+SUMMARY_EXEMPT = {"architecture.md"}
+BENCH = DOCS / "cpu" / "bench.json"
+#: A commit hash (7 to 40 hex digits, with a letter and a digit) or a host speed in
+#: microseconds: run logs that belong in docs/lab.md, not in the README.
+RUN_LOG = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b|\d\s?(us|µs)\b")
+
+
+def word_count(text: str) -> int:
+    """Words as ``wc -w`` counts them: runs of non-blank characters."""
+    return len(text.split())
+
+
+def summary_problem(text: str) -> str | None:
+    """Why a page does not lead with a summary of at most SUMMARY_MAX_LINES lines, or None.
+
+    The summary is the first block after the ``# title``: prose (not a heading, a list, a
+    table, a code block or a quote), ended by a blank line.
+    """
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("# "):
+        return "no '# title' on the first line"
+    rest = lines[1:]
+    while rest and not rest[0].strip():
+        rest = rest[1:]
+    block = []
+    for line in rest:
+        if not line.strip():
+            break
+        block.append(line)
+    if not block:
+        return "nothing after the title"
+    if re.match(r"\s*(#|```|~~~|\||[-*+] |\d+\. |>)", block[0]):
+        return f"the title is followed by {block[0][:30]!r}, not a summary"
+    if len(block) > SUMMARY_MAX_LINES:
+        return f"summary has {len(block)} lines (at most {SUMMARY_MAX_LINES})"
+    return None
+
+
+def test_readme_is_at_most_a_thousand_words() -> None:
+    words = word_count(README.read_text(encoding="utf-8"))
+    assert words <= README_MAX_WORDS, f"README.md has {words} words"
+
+
+def test_every_doc_page_leads_with_a_short_summary() -> None:
+    problems = [
+        f"{page.name}: {problem}"
+        for page in sorted(DOCS.glob("*.md"))
+        if page.name not in SUMMARY_EXEMPT
+        if (problem := summary_problem(page.read_text(encoding="utf-8")))
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_summary_check_fails_a_long_or_missing_summary() -> None:
+    """Negative control: six lines, a heading or a code block first, no title."""
+    assert summary_problem("# T\n\nOne.\nTwo.\n\n## More\n") is None
+    assert "6 lines" in summary_problem("# T\n\n" + "line\n" * 6 + "\nrest\n")
+    assert "not a summary" in summary_problem("# T\n\n## Straight to a heading\n")
+    assert "not a summary" in summary_problem("# T\n\n```bash\nmake\n```\n")
+    assert "no '# title'" in summary_problem("Text first\n")
+
+
+def test_readme_holds_no_commit_hash_or_host_speed() -> None:
+    found = [match.group(0) for match in RUN_LOG.finditer(README.read_text(encoding="utf-8"))]
+    assert not found, f"README.md holds run-log figures (move them to docs/lab.md): {found}"
+
+
+def test_the_run_log_check_finds_hashes_and_host_speeds() -> None:
+    """Negative control: a short hash and a page speed are found; plain words and numbers not."""
+    planted = "at ed32d5a 2495 s; 5.2 us a page; sha256 of weights; 84.8 ms; deadbeef"
+    assert [m.group(0) for m in RUN_LOG.finditer(planted)] == ["ed32d5a", "2 us"]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.3g} ms"
+
+
+def _pct(value: float) -> str:
+    return f"{value:+.1f}".replace("+-", "-")
+
+
+def bench_rows(bench: dict) -> dict[str, list[str]]:
+    """The README's CPU cost rows as docs/cpu/bench.json gives them: label -> cells."""
+    rows = {}
+    for name, workload in bench["workloads"].items():
+        size, cost = workload["size"], workload["determinism_cost"]
+        if name == "pipeline":
+            label = f"batch {size['data']['batch_size']}"
+        else:
+            label = (
+                f"{size['batch_size']} x {size['channels']} x {size['image_size']} x "
+                f"{size['image_size']}, width {size['width']}"
+            )
+        low, high = cost["ci95"]
+        rows[label] = [
+            _ms(workload["modes"]["deterministic"]["median_step_s"]),
+            _ms(workload["modes"]["default"]["median_step_s"]),
+            f"{_pct(cost['pct'])}% ({_pct(low)} .. {_pct(high)})",
+        ]
+    return rows
+
+
+def readme_cpu_rows(text: str) -> list[list[str]]:
+    """The data rows of the README's CPU cost table (the first table after its CPU line)."""
+    section = text.split("## The cost of determinism", 1)[1].split("\nGPU", 1)[0]
+    table = [line for line in section.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+
+
+def test_readme_cpu_cost_figures_are_docs_cpu_bench_json() -> None:
+    import json
+
+    bench = json.loads(BENCH.read_text())
+    text = README.read_text(encoding="utf-8")
+    assert f"--repeats {bench['repeats']}" in text
+    assert bench["threads"] == 1 and "CPU, one thread" in text
+    expected = bench_rows(bench)
+    rows = readme_cpu_rows(text)
+    assert len(rows) == len(expected), rows
+    for label, *cells in rows:
+        matching = [key for key in expected if label.endswith(key)]
+        assert matching, f"README row {label!r} names no workload of {BENCH.name}"
+        assert cells == expected[matching[0]], f"{label}: {cells} != {BENCH.name}'s"
+
+
+def test_a_figure_that_drifts_from_bench_json_is_caught() -> None:
+    """Negative control: one digit changed in the JSON no longer matches the README's row."""
+    import json
+
+    bench = json.loads(BENCH.read_text())
+    bench["workloads"]["pipeline"]["modes"]["deterministic"]["median_step_s"] += 0.001
+    drifted = bench_rows(bench)["batch 64"]
+    rows = {row[0]: row[1:] for row in readme_cpu_rows(README.read_text(encoding="utf-8"))}
+    (label,) = [key for key in rows if key.endswith("batch 64")]
+    assert rows[label][1:] == drifted[1:] and rows[label][0] != drifted[0]
+
+
+README_TEST = re.compile(r"`tests/(test_\w+\.py::test_\w+)`")
+
+
+def test_every_test_the_readme_names_exists() -> None:
+    from tests.test_guarantees import missing
+
+    named = README_TEST.findall(README.read_text(encoding="utf-8"))
+    assert len(named) >= 8, named
+    problems = [problem for cell in named if (problem := missing(cell))]
+    assert not problems, problems
+    assert missing("test_train.py::test_that_was_renamed") == (
+        "test_train.py::test_that_was_renamed: no such test"
+    )
