@@ -11,7 +11,8 @@ a ``prepare`` step). For DDP benchmarks every training is a fresh process
 (Lightning starts the other ranks by rerunning the script):
 :func:`timed_training` launches one and reads its result, and the script's
 worker side calls :func:`time_training`, which prints rank 0's median
-seconds per optimizer step (:class:`StepTimer`).
+seconds per optimizer step (:class:`~benchmarks._common.step_timer.StepTimer`,
+the first epoch left out).
 """
 
 from __future__ import annotations
@@ -21,15 +22,12 @@ import contextlib
 import dataclasses
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import lightning as L
-
+from benchmarks._common.child import run_json
+from benchmarks._common.step_timer import StepTimer
 from benchmarks._common.workloads import ROOT, WORKLOADS
 from reprotrain.determinism import configure_determinism
 from reprotrain.distributed.ddp import set_threads_per_rank, this_rank
@@ -127,38 +125,9 @@ def timed_training(script: str, workload: str, overrides: list[str], accumulate:
     ``accumulate``: Lightning's ``accumulate_grad_batches`` for plain training (params
     have no such key: the pipeline accumulates only in the world-size-invariant mode).
     """
-    argv = [sys.executable, script, "--train", workload, *(f"--set={o}" for o in overrides)]
+    argv = [script, "--train", workload, *(f"--set={o}" for o in overrides)]
     argv.append(f"--accumulate={accumulate}")
-    done = subprocess.run(
-        argv, env=cli_env(PYTHONHASHSEED="0"), capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"training {overrides} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-class StepTimer(L.Callback):
-    """Seconds from one optimizer step to the next, within every epoch after the first.
-
-    Data loading and the forward and backward passes of all the step's
-    micro-batches are in; validation and an epoch's DataLoader start are not.
-    """
-
-    def __init__(self) -> None:
-        self.per_step: list[float] = []
-        self._last: float | None = None
-        self._step = 0
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last, self._step = None, trainer.global_step
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
-        if trainer.global_step == self._step:  # a micro-batch that did not end a step
-            return
-        now, self._step = time.perf_counter(), trainer.global_step
-        if self._last is not None and trainer.current_epoch > 0:
-            self.per_step.append(now - self._last)
-        self._last = now
+    return run_json(argv, f"training {overrides}", env=cli_env(PYTHONHASHSEED="0"))
 
 
 def time_training(workload: str, overrides: list[str], accumulate: int = 1) -> None:
@@ -171,8 +140,8 @@ def time_training(workload: str, overrides: list[str], accumulate: int = 1) -> N
         training._strategy = lambda *args: (plain_strategy(*args)[0], accumulate)
     settings = configure_determinism(params.seed, params.deterministic)
     threads = set_threads_per_rank(params.train.devices)
-    timer = StepTimer()
+    timer = StepTimer(from_epoch=1)  # the first epoch is warm-up
     fit(params, resolve_recipe(params), settings, callbacks=[timer])
     if this_rank() == 0:
-        step = statistics.median(timer.per_step)
-        print(json.dumps({"step_s": step, "steps": len(timer.per_step), "threads": threads}))
+        step = statistics.median(timer.seconds)
+        print(json.dumps({"step_s": step, "steps": len(timer.seconds), "threads": threads}))

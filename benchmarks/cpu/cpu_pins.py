@@ -23,10 +23,14 @@ repository root::
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # python benchmarks/<group>/<script>.py: import from the root
+
+from benchmarks._common.child import child_env, run_json
 
 #: name -> (environment variables, oneDNN enabled)
 VARIANTS: dict[str, tuple[dict[str, str], bool]] = {
@@ -78,16 +82,9 @@ def measure(onednn: bool, workload: str = "conv") -> float:
 
 def run_variant(name: str, workload: str) -> float:
     variables, onednn = VARIANTS[name]
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
+    env = child_env(("ATEN_CPU_CAPABILITY", "MKL_CBWR"), **THREADS, **variables)
     code = f"from benchmarks.cpu.cpu_pins import measure; print(measure({onednn}, {workload!r}))"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**env, **THREADS, **variables},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return float(done.stdout.split()[-1])
+    return float(run_json(["-c", code], name, env=env))
 
 
 def main() -> None:

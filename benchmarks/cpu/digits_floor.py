@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # python benchmarks/<group>/<script>.py: import from the root
 
+from benchmarks._common.child import child_env, run_json
 from benchmarks._common.workloads import cpu_model
 
 STEPS = 200
@@ -112,13 +111,8 @@ def _child(what: str) -> float:
 
     profile = CpuProfile("native" if what == "native" else "portable")
     pins = {*CpuProfile("portable").variables(), *profile.variables()}  # none left from a shell
-    env = {k: v for k, v in os.environ.items() if k not in pins}
-    env.update(profile.variables(), PYTHONHASHSEED="0")
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", what], env=env, capture_output=True, text=True,
-        check=True,
-    )  # fmt: skip
-    return json.loads(done.stdout.splitlines()[-1])
+    env = child_env(pins, **{**profile.variables(), "PYTHONHASHSEED": "0"})
+    return run_json([__file__, "--child", what], what, env=env)
 
 
 def main() -> None:

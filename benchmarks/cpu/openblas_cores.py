@@ -24,12 +24,16 @@ import ctypes
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # python benchmarks/<group>/<script>.py: import from the root
+
+from benchmarks._common.child import run_json
 from reprotrain.cpuprofile import openblas_library
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
@@ -101,9 +105,7 @@ def main() -> None:
         return
     results = {}
     for core in dict.fromkeys(["Haswell", *args.cores]):  # Haswell first: the reference
-        child = [sys.executable, __file__, "--child", core]
-        results[core] = json.loads(subprocess.run(child, check=True, capture_output=True,
-                                                  text=True).stdout)  # fmt: skip
+        results[core] = run_json([__file__, "--child", core], f"core type {core}")
     pinned = results["Haswell"]
     print(f"{len(pinned['digests'])} products; block 128 x 144 -> 576 float32, one thread")
     header = ("asked", "runs", "all products", "differ", "block", "vs pin")

@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,6 +54,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # python benchmarks/<group>/<script>.py: import from the root
 
+from benchmarks._common.child import child_env, run_json
 from benchmarks._common.workloads import WORKLOADS
 
 #: The "late" process: CUBLAS_WORKSPACE_CONFIG exported after cuBLAS's handle exists.
@@ -228,21 +228,13 @@ def top_kernels(flags: Flags, setup: Any, batches: Any, device: Any) -> list[dic
 
 def run_child(args: argparse.Namespace, process: str, round_: int) -> dict[str, Any]:
     cublas = PROCESSES[process][0]
-    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    env = child_env(["CUBLAS_WORKSPACE_CONFIG"], PYTHONHASHSEED="0")
     if cublas is not None:
         env["CUBLAS_WORKSPACE_CONFIG"] = cublas
     src = str(ROOT / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
-    env["PYTHONHASHSEED"] = "0"
-    cmd = [sys.executable, __file__, "--child", process, "--round", str(round_)]
-    cmd += [*args.forward]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        tail = (result.stdout + result.stderr).strip().splitlines()[-12:]
-        raise SystemExit(
-            f"determinism_settings: {process} round {round_} failed: " + " | ".join(tail)
-        )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    cmd = [__file__, "--child", process, "--round", str(round_), *args.forward]
+    return run_json(cmd, f"determinism_settings: {process} round {round_}", env=env)
 
 
 def analyse(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:

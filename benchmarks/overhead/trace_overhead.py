@@ -60,6 +60,7 @@ from torch.utils.data import DataLoader, TensorDataset
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # python benchmarks/<group>/<script>.py: import from the root
 
+from benchmarks._common.step_timer import StepTimer
 from benchmarks._common.workspace import (
     add_workload_argument,
     train_workspace,
@@ -74,23 +75,6 @@ from reprotrain.pipeline.recipe import build, resolve_recipe
 from reprotrain.trace.callback import DEFAULT_WEIGHTS_EVERY, TraceCallback
 
 MODES = ("off", "default", "full")
-
-
-class StepTimer(L.Callback):
-    """Times between consecutive training-batch starts within an epoch."""
-
-    def __init__(self) -> None:
-        self.deltas: list[float] = []
-        self._last: tuple[int, float] | None = None
-
-    def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
-        now = time.perf_counter()
-        if self._last is not None and self._last[0] == trainer.current_epoch:
-            self.deltas.append(now - self._last[1])
-        self._last = (trainer.current_epoch, now)
-
-    def on_train_epoch_end(self, *_: Any) -> None:
-        self._last = None
 
 
 class MLP(L.LightningModule):
@@ -156,7 +140,7 @@ def timed_fit(
     epochs of at most ``steps`` batches each (None: whole epochs)."""
     settings = configure_determinism(42, True)
     module, data = build()
-    timer = StepTimer()
+    timer = StepTimer(edge="start")  # before the trace: its batch-start hook is in
     trace = TimedTrace(
         work / f"trace-{mode}.safetensors", detail="full" if mode == "full" else "default"
     )
@@ -180,7 +164,7 @@ def timed_fit(
     else:
         trainer.fit(module, datamodule=data)
     steps = trainer.global_step
-    return statistics.fmean(timer.deltas), trace.seconds / steps
+    return statistics.fmean(timer.seconds), trace.seconds / steps
 
 
 def measure(

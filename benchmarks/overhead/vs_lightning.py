@@ -48,18 +48,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # python benchmarks/<group>/<script>.py: import from the root
 
+from benchmarks._common.child import child_env, run_json
 from benchmarks._common.workloads import WORKLOADS, cpu_model
 from reprotrain.atomic import atomic_write_text
 from reprotrain.commands.bench import effect_pct
@@ -157,17 +155,12 @@ def measure(
 
 def run_worker(way: str, size: str, warmup: int, steps: int) -> dict[str, Any]:
     """One timed training in a fresh process, with the CPU variables its way starts with."""
-    env = {key: value for key, value in os.environ.items() if key not in profile_variables()}
-    env["PYTHONHASHSEED"] = "0"
+    env = child_env(profile_variables(), PYTHONHASHSEED="0")
     if way != "lightning":
         cpu = CpuProfile(*way_profile(way))
         env = {**env, **cpu.variables()}  # as the stage starts
-    argv = [sys.executable, __file__, "--worker", way, size]
-    argv += ["--warmup", str(warmup), "--steps", str(steps)]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{way} {size} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    argv = [__file__, "--worker", way, size, "--warmup", str(warmup), "--steps", str(steps)]
+    return run_json(argv, f"{way} {size}", env=env)
 
 
 def profile_variables() -> set[str]:
@@ -179,27 +172,11 @@ def profile_variables() -> set[str]:
 
 
 def steps_timer(warmup: int, steps: int) -> Any:
-    """A callback timing batch end to batch end within an epoch; it stops the fit after
+    """The step timer, batch end to batch end within an epoch; it stops the fit after
     ``warmup + steps`` of them (the imports wait for the worker: torch loads there)."""
-    import lightning as L
+    from benchmarks._common.step_timer import StepTimer
 
-    class StepsTimer(L.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self._last: float | None = None
-
-        def on_train_epoch_start(self, *_: Any) -> None:
-            self._last = None
-
-        def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-            now = time.perf_counter()
-            if self._last is not None:
-                self.times.append(now - self._last)
-            self._last = now
-            if len(self.times) >= warmup + steps:
-                trainer.should_stop = True
-
-    return StepsTimer()
+    return StepTimer(stop_after=warmup + steps)
 
 
 def overrides(spec: dict[str, int], profile: str) -> list[str]:
@@ -238,7 +215,7 @@ def plain(_: str, spec: dict[str, int], warmup: int, steps: int) -> tuple[list[f
         callbacks=[timer],
     )
     trainer.fit(module, loader)
-    return timer.times[warmup:], sum(p.numel() for p in module.parameters())
+    return timer.seconds[warmup:], sum(p.numel() for p in module.parameters())
 
 
 def stage(profile: str, spec: dict[str, int], warmup: int, steps: int) -> tuple[list[float], int]:
@@ -265,7 +242,7 @@ def stage(profile: str, spec: dict[str, int], warmup: int, steps: int) -> tuple[
     with train_workspace(workload_params("lm", changes)) as (args, params):
         args.trace = args.model.with_name("trace.safetensors")  # trace on, as dvc.yaml has it
         train.run(params, args)
-    return timer.times[warmup:], parameters[0]
+    return timer.seconds[warmup:], parameters[0]
 
 
 if __name__ == "__main__":

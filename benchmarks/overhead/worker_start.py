@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # python benchmarks/<group>/<script>.py: import from the root
+
+from benchmarks._common.child import run_json
 
 
 def measure(way: str, data: str, epochs: int, workers: int) -> None:
@@ -76,12 +79,9 @@ def main() -> None:
         )  # fmt: skip
         for _ in range(cli.repeats):
             for way in ways:
-                done = subprocess.run(
-                    [sys.executable, __file__, "--measure", way, str(data),
-                     "--epochs", str(cli.epochs), "--workers", str(cli.workers)],
-                    check=True, capture_output=True, text=True,
-                )  # fmt: skip
-                seconds[way].append(json.loads(done.stdout.splitlines()[-1])["seconds"])
+                argv = [__file__, "--measure", way, data, "--epochs", cli.epochs]
+                argv += ["--workers", cli.workers]
+                seconds[way].append(run_json(argv, way)["seconds"])
     print(
         f"digits training split, {cli.epochs} epochs, {cli.workers} workers, "
         f"{cli.repeats} interleaved fresh processes each, one-rank gloo group"
