@@ -84,8 +84,8 @@ test-gpu: venv ## Run the GPU tests (marked `gpu`; they skip without CUDA)
 # On a lent GPU host (its own Python and torch, no venv, no DVC, no network): no venv here.
 GPU_EVIDENCE_ARGS ?=
 gpu-evidence: ## On a GPU host: twin runs, noise floor, cost, ops, DDP, trace into docs/gpu/
-	PYTHONPATH=src python3 benchmarks/gpu_evidence.py $(GPU_EVIDENCE_ARGS)
-	python3 benchmarks/gpu_rows.py
+	PYTHONPATH=src python3 benchmarks/gpu/gpu_evidence.py $(GPU_EVIDENCE_ARGS)
+	python3 benchmarks/gpu/gpu_rows.py
 
 verify: venv ## Rerun training twice in fresh processes; fail unless the bits are identical
 	$(BIN)/reprotrain verify
@@ -121,7 +121,7 @@ lock: venv ## Recompile both locks from requirements.in (hashes, no local paths)
 		-o requirements.lock requirements.in
 
 bench: venv ## Overhead of our train stage vs a bare Lightning loop
-	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/overhead/overhead.py
 
 ops: venv ## Probe the non-deterministic op catalog on this machine's CPU into docs/cpu/
 	$(BIN)/reprotrain ops --device cpu --out-md docs/cpu/ops.md --out-json docs/cpu/ops.json

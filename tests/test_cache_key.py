@@ -100,7 +100,7 @@ def test_an_edit_reruns_training_and_moves_the_run_id_only_where_it_decides_the_
         "src/reprotrain/commands/compare.py",
         "src/reprotrain/ops/recorder.py",
         "src/reprotrain/trace/diff.py",
-        "benchmarks/trace_overhead.py",
+        "benchmarks/overhead/trace_overhead.py",
     ]
     for name in tools:
         with (repo_copy / name).open("a") as f:

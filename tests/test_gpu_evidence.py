@@ -11,12 +11,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save_file
 
+from benchmarks.gpu import gpu_evidence, gpu_rows
 from reprotrain.hashing import load_safetensors
 from tests.helpers import ROOT, cli_env, run_cli, train_argv
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_evidence
-import gpu_rows
 
 #: The tests that read ``evidence``, a CPU dry run of every step (about 100 s on 2 cores):
 #: in ``make test-slow``, which CI runs too.
@@ -33,7 +30,7 @@ def evidence(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _dry_run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_evidence.py"), "--device", "cpu"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / "gpu_evidence.py"), "--device", "cpu"]
     cmd += ["--quick", "--out", str(out), "--lock", str(ROOT / "requirements.lock"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), check=False)
 

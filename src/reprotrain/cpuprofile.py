@@ -2,7 +2,7 @@
 
 On a CPU the bits follow the kernels ATen, oneDNN and MKL pick for the
 machine's instruction set, and the thread count (measured:
-``benchmarks/cpu_pins.sh``). A profile fixes both, so the bits stop depending
+``benchmarks/cpu/cpu_pins.sh``). A profile fixes both, so the bits stop depending
 on which x86-64 CPU runs the job:
 
 ``portable`` (the default)
@@ -33,7 +33,7 @@ on which x86-64 CPU runs the job:
       is computed the same way by whichever thread takes it. So ``threads``
       changes the speed alone and is not in the record: runs at 1 and at 2
       threads are one cache entry and one run ID (tested). On 2 cores the GEMM's
-      second thread gained more than ATen's (``benchmarks/portable_threads.py``).
+      second thread gained more than ATen's (``benchmarks/cpu/portable_threads.py``).
 
 ``native``
     The host's own kernels (fastest), with ``threads`` intra-op threads: the split

@@ -19,7 +19,7 @@ does not: floating-point rounding differs there.
 
 What each setting buys and costs, and why it is kept (:data:`SETTING_REASONS`,
 also in every :class:`DeterminismSettings`; measured per setting by
-``benchmarks/determinism_settings.py``): the one setting not kept is torch's
+``benchmarks/gpu/determinism_settings.py``): the one setting not kept is torch's
 ``fill_uninitialized_memory``, which writes NaN into every ``torch.empty``
 output first. It changes no bits of a program that reads no uninitialized
 memory (torch's own documentation says so, and the benchmark shows the same

@@ -58,7 +58,7 @@ def _workspace(slot: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Ten
 
     A convolution's column matrices are megabytes that live for one call; new ones
     each step cost the page faults of fresh memory, which took about a quarter of
-    the digits recipe's portable step (``benchmarks/digits_floor.py``: the conv
+    the digits recipe's portable step (``benchmarks/cpu/digits_floor.py``: the conv
     copies with and without). The largest of each slot stays allocated between calls.
     """
     count = math.prod(shape)

@@ -48,7 +48,7 @@ earlier runs.
 
 Runs train one after another (``--jobs N``: N side by side, see
 :mod:`reprotrain.commands._rerun`); cost against one training run:
-``benchmarks/verify_cost.py``.
+``benchmarks/overhead/verify_cost.py``.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ micro-batches are smaller kernels than one batch per rank, each rank
 sends and receives ``log2(world_size)`` gradients where a ring all-reduce
 moves about two, and gloo's send and receive have no future, so the hook
 blocks the backward while a bucket is exchanged (no overlap with it)
-(``benchmarks/invariant_overhead.py``).
+(``benchmarks/overhead/invariant_overhead.py``).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ installed (:mod:`reprotrain.ops.capture`) and writes no recording.
 Limits: ops of other threads than the one that runs the step (DataLoader
 workers) are not seen; their effect shows as a differing batch. A recorded
 step is slower, every op being fingerprinted and located: see
-``benchmarks/op_record_overhead.py`` and docs/any-script.md for the cost.
+``benchmarks/overhead/op_record_overhead.py`` and docs/any-script.md for the cost.
 """
 
 from __future__ import annotations

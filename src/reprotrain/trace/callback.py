@@ -11,7 +11,7 @@ RNG source, so compare can name the first one that differs. By default only
 every 32nd row traces weights, because a fingerprint reads every byte: on one
 CPU thread a 10M-parameter MLP's gradients and weights (80 MB) take about
 130 ms, more than its step; every 32nd row that is 4.2 ms per 100 ms step
-(``benchmarks/trace_overhead.py``). A divergence between weight rows still
+(``benchmarks/overhead/trace_overhead.py``). A divergence between weight rows still
 shows at once in the next step's loss.
 
 The loss is what ``training_step`` returned. Under manual optimization
@@ -46,7 +46,7 @@ of the caches), a row is Python ints and a step does only what cannot wait:
 it captures the RNG states (:mod:`reprotrain.trace.rngstate`), copies a batch of
 up to 64 KiB and reads the loss. Every 64 rows (and at a flush) the captured
 states are hashed and the batches fingerprinted together, where that code
-runs hot. Cost (``benchmarks/trace_overhead.py``, one torch thread on a
+runs hot. Cost (``benchmarks/overhead/trace_overhead.py``, one torch thread on a
 shared 2-core machine): the pipeline's 38k-parameter model pays 0.15-0.16 ms
 per step at default detail, 1.6% of its 9.8 ms step (0.7-0.8 ms, 7%, before
 this scheme; 0.19-0.27 ms while the RNG states were read with the libraries'

@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--evidence",
         action="store_true",
         help="record drift from the lock instead of refusing it, for measurements on a host "
-        "not built from the lock (benchmarks/gpu_evidence.py); never used by dvc.yaml",
+        "not built from the lock (benchmarks/gpu/gpu_evidence.py); never used by dvc.yaml",
     )
 
 

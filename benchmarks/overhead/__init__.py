@@ -1,0 +1,1 @@
+"""What the pipeline adds to a training: tracing, checkpoints, recording, verify, DDP modes."""
