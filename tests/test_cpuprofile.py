@@ -315,7 +315,7 @@ def test_the_env_stage_and_run_refuse_such_a_cpu_before_anything_is_written(
 
 
 def test_every_cpu_recorded_since_sqrt_was_routed_trained_the_same_bits() -> None:
-    """docs/cpu/<host>/: each host's side of both recipes (benchmarks/vendor_side.sh). Those
+    """docs/cpu/<host>/: each host's side of both recipes (benchmarks/cpu/vendor_side.sh). Those
     made with sqrt routed (a kernel digest in host.json) hold one set of bits across Intel
     and AMD, AVX2 and AVX-512; the older amd-zen4 side (sqrt through MKL) is the control."""
     sides = {p.parent.name: p.parent for p in (ROOT / "docs" / "cpu").glob("*/host.json")}

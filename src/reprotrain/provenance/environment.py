@@ -115,7 +115,7 @@ def capture_environment(
     the CPU's vendor, model and flags are only informational: the profile's pins
     and routed kernels decide the bits instead, on any x86-64 CPU with AVX2 and FMA
     (an Intel Xeon, an AMD EPYC Zen 3 and a Zen 5 trained both recipes to the same
-    bits: docs/cpu-profile.md, ``benchmarks/vendor_check.sh``). Under ``native`` the
+    bits: docs/cpu-profile.md, ``benchmarks/cpu/vendor_check.sh``). Under ``native`` the
     vendor, model and flags decide, and without a profile the usable CPU count does
     too (torch's default thread count follows it): :data:`DECIDING_CPU_FIELDS`.
     """
