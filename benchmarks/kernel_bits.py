@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from reprotrain.cpuprofile import CpuProfile
+from reprotrain.cpu.profile import CpuProfile
 from reprotrain.determinism import reexec_with_fixed_hash_seed
 
 
@@ -87,7 +87,7 @@ def _rows(g: object) -> dict[str, Callable[[], list[object]]]:
 def table(routed: bool, threads: int) -> list[tuple[str, str, float]]:
     import torch
 
-    from reprotrain import portable_kernels
+    from reprotrain.cpu import kernels as portable_kernels
 
     torch.backends.mkldnn.enabled = False
     portable_kernels.enable(threads) if routed else portable_kernels.disable()

@@ -60,7 +60,7 @@ from typing import Any
 from _workloads import WORKLOADS, cpu_model
 from reprotrain.atomic import atomic_write_text
 from reprotrain.commands.bench import effect_pct
-from reprotrain.cpuprofile import NEUTRALISED, CpuProfile
+from reprotrain.cpu.profile import NEUTRALISED, CpuProfile
 from reprotrain.hashing import canonical_json
 
 SIZES = {

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from reprotrain.cpuprofile import CpuProfile
+from reprotrain.cpu.profile import CpuProfile
 from reprotrain.hashing import load_safetensors, sha256_state_dict
 from reprotrain.provenance.environment import bit_deciding, capture_environment
 from tests.helpers import ROOT, run_checked, run_cli, run_in_process, train_argv

@@ -603,7 +603,7 @@ def test_configure_determinism_applies_the_profile_run_started_the_script_under(
 
 
 def test_a_launched_profile_variable_that_is_not_name_and_threads_is_named() -> None:
-    from reprotrain.cpuprofile import CpuProfile, launched_profile
+    from reprotrain.cpu.profile import CpuProfile, launched_profile
 
     assert launched_profile({"REPROTRAIN_CPU_PROFILE": "native:2"}) == CpuProfile("native", 2)
     assert launched_profile({}) is None

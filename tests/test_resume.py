@@ -23,7 +23,7 @@ import torch
 import yaml
 from torch.utils.data import TensorDataset
 
-from reprotrain.cpuprofile import CpuProfile
+from reprotrain.cpu.profile import CpuProfile
 from reprotrain.determinism import configure_determinism
 from reprotrain.hashing import sha256_file, sha256_state_dict
 from reprotrain.pipeline.config import load_params

@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from reprotrain.cpuprofile import CpuProfile
+    from reprotrain.cpu.profile import CpuProfile
 
 Mode = bool | Literal["warn"]
 
@@ -276,7 +276,7 @@ def configure_determinism(
     hash_ok = hash_seed_fixed_at_start()
     cuda_up = _cuda_initialized()
     if cpu_profile is None:
-        from reprotrain.cpuprofile import launched_profile
+        from reprotrain.cpu.profile import launched_profile
 
         cpu_profile = launched_profile()
     problems: list[str] = cpu_profile.apply() if cpu_profile is not None else []

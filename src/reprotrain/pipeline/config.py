@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from reprotrain.cpuprofile import PROFILES, CpuProfile
+from reprotrain.cpu.profile import PROFILES, CpuProfile
 from reprotrain.determinism import Mode
 from reprotrain.pipeline.errors import yaml_line
 

@@ -41,7 +41,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from reprotrain.cpuprofile import NEUTRALISED, CpuProfile
+from reprotrain.cpu.profile import NEUTRALISED, CpuProfile
 from reprotrain.hashing import canonical_json, sha256_file
 
 #: CPU flags that change which SIMD kernels ATen and oneDNN pick.

@@ -17,7 +17,7 @@ in it, an ``IterableDataset`` the loader does not batch), ``test_samples`` is
 left out and the stage's line says why. Identical weights give identical
 metric bytes. Under ``dvc repro`` a failed evaluate puts the earlier
 ``metrics.json`` back (:mod:`reprotrain.pipeline.kept`). It runs under the CPU
-profile the weights were trained with (:mod:`reprotrain.cpuprofile`), whose
+profile the weights were trained with (:mod:`reprotrain.cpu.profile`), whose
 variables the CLI exported at start from the weights file. With ``--dvc-lock`` each
 ``--data`` file and the weights are first checked against the md5 DVC
 recorded: a corrupted or tampered file is refused before it is read.

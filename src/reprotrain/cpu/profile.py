@@ -21,7 +21,7 @@ on which x86-64 CPU runs the job:
       ATen's im2col + GEMM. oneDNN's JIT kernels choose their blocking from
       the ISA and the cache sizes it detects, which no variable pins; with it off,
       ``ONEDNN_MAX_CPU_ISA`` no longer changes the bits (tested).
-    * The project's kernels (:mod:`reprotrain.portable_kernels`): matrix products
+    * The project's kernels (:mod:`reprotrain.cpu.kernels`): matrix products
       and the convolution's GEMM on one pinned OpenBLAS build at its Haswell
       level (``OPENBLAS_CORETYPE``) in fixed blocks, and dropout's mask on ATen's
       generator on every vendor (torch draws it with MKL on Intel CPUs only). So
@@ -64,7 +64,7 @@ PORTABLE_REQUIRES = ("avx2", "fma")
 PORTABLE_MKL_BRANCH = "COMPATIBLE,STRICT"
 #: What the pinned OpenBLAS reads when it loads: its Haswell kernels, one thread per call.
 OPENBLAS_VARIABLES = {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "1"}
-#: The aten overloads ``portable`` routes to its own kernels (reprotrain.portable_kernels).
+#: The aten overloads ``portable`` routes to its own kernels (reprotrain.cpu.kernels).
 ROUTED = (
     *("mm", "addmm", "bmm", "baddbmm"),
     *("convolution", "convolution_backward"),
@@ -209,7 +209,7 @@ class CpuProfile:
         """
         import torch
 
-        from reprotrain import portable_kernels
+        from reprotrain.cpu import kernels
 
         start = "it must be set when the process starts (reexec_with_fixed_hash_seed)"
         problems = [
@@ -224,11 +224,11 @@ class CpuProfile:
         torch.backends.mkldnn.enabled = not self.portable
         torch.set_num_threads(self.aten_threads)
         if not self.portable:
-            portable_kernels.disable()
+            kernels.disable()
         else:
             try:
-                portable_kernels.enable(self.threads)
-            except portable_kernels.KernelsUnavailable as err:
+                kernels.enable(self.threads)
+            except kernels.KernelsUnavailable as err:
                 problems.append(f"the {self.describe()} cannot route its kernels: {err}")
         if torch.get_num_interop_threads() != 1:
             try:
