@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from reprotrain.cpu.profile import openblas_library
+from reprotrain.cpu.routed import openblas_library
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 SHAPES = [(m, n, k) for m in (1, 17, 128) for n in (5, 65, 576) for k in (1, 64, 144, 2048)]

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from reprotrain.cpu import gemm, kernels
-from reprotrain.cpu.profile import MKL_VML_OPS, ROUTED, CpuProfile
+from reprotrain.cpu.profile import CpuProfile
+from reprotrain.cpu.routed import MKL_VML_OPS, ROUTED
 from tests.helpers import ROOT
 
 

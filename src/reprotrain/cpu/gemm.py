@@ -5,7 +5,7 @@
 (``scipy-openblas32``, pinned exactly) with its Haswell kernels forced
 (``OPENBLAS_CORETYPE=Haswell``: AVX2 + FMA, fixed blocking) and one OpenBLAS
 thread. The product is cut into fixed blocks of
-:data:`~reprotrain.cpu.profile.ROW_BLOCK` output rows (one block per matrix of a
+:data:`~reprotrain.cpu.routed.ROW_BLOCK` output rows (one block per matrix of a
 batch at least), each computed by one call in one thread; ``threads`` Python
 threads share the blocks. So the bits follow neither the host's cores nor
 ``cpu.threads``: OpenBLAS's own threading splits K-sums by thread count and
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from reprotrain.cpu.profile import OPENBLAS_VARIABLES, ROW_BLOCK, openblas_library
+from reprotrain.cpu.routed import OPENBLAS_VARIABLES, ROW_BLOCK, openblas_library
 
 #: The OpenBLAS core type whose kernels every host runs (needs AVX2 and FMA).
 CORETYPE = OPENBLAS_VARIABLES["OPENBLAS_CORETYPE"]

@@ -30,7 +30,7 @@ grouped, transposed), go to torch's own CPU kernel, captured before the
 override. What is not routed (``mv``/``addmv``, linear algebra, MKL's other VML
 functions) is listed in docs/cpu-profile.md; a training step that reaches
 MKL's BLAS shows up in ``MKL_VERBOSE``, one that reaches VML by the op's name
-(:data:`~reprotrain.cpu.profile.MKL_VML_OPS`; tests/test_portable_kernels.py).
+(:data:`~reprotrain.cpu.routed.MKL_VML_OPS`; tests/test_portable_kernels.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from reprotrain.cpu import conv
-from reprotrain.cpu.profile import ROUTED
+from reprotrain.cpu.routed import ROUTED
 from reprotrain.cpu.conv import _convolution, _convolution_backward
 from reprotrain.cpu.gemm import (
     FLOATS,
