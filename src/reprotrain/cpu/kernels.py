@@ -44,7 +44,6 @@ import numpy as np
 import torch
 
 from reprotrain.cpu import conv
-from reprotrain.cpu.routed import ROUTED
 from reprotrain.cpu.conv import _convolution, _convolution_backward
 from reprotrain.cpu.gemm import (
     FLOATS,
@@ -58,6 +57,7 @@ from reprotrain.cpu.gemm import (
     _torchs,
     _torchs_kernel,
 )
+from reprotrain.cpu.routed import ROUTED
 
 __all__ = ["KernelsUnavailable", "disable", "enable"]
 
