@@ -210,7 +210,7 @@ def plain(_: str, spec: dict[str, int], warmup: int, steps: int) -> tuple[list[f
     import torch
     from torch.utils.data import DataLoader
 
-    from reprotrain.pipeline.config import load_params
+    from reprotrain.pipeline.params_file import load_params
     from reprotrain.recipes.language_model import CharCorpus, TinyGPT
 
     params = load_params(WORKLOADS["lm"], overrides(spec, "native"))

@@ -40,7 +40,7 @@ PARAMS_FILES = (ROOT / "params.yaml", ROOT / "pipelines" / "lm" / "params.yaml")
 
 
 def _run_by_a_stage() -> set[Path]:
-    from reprotrain.pipeline.config import load_params
+    from reprotrain.pipeline.params_file import load_params
     from reprotrain.pipeline.recipe import code_files, resolve_recipe
 
     stages = {

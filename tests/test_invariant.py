@@ -28,7 +28,8 @@ from reprotrain.distributed.worldsize import (
     tree_sum,
 )
 from reprotrain.hashing import sha256_file
-from reprotrain.pipeline.config import ConfigError, load_params
+from reprotrain.pipeline.config import ConfigError
+from reprotrain.pipeline.params_file import load_params
 from tests.helpers import (
     ROOT,
     cli_env,

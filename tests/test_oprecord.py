@@ -35,7 +35,7 @@ from reprotrain.hashing import load_safetensors, safetensors_metadata, sha256_st
 from reprotrain.ops import recorder
 from reprotrain.ops.align import OpRecordError, compare_recordings
 from reprotrain.ops.recorder import DIR_VARIABLE, WINDOW_VARIABLE, OpRecorder, record_step
-from reprotrain.pipeline.config import load_params
+from reprotrain.pipeline.params_file import load_params
 from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.pipeline.training import RECORD_OPS_VARIABLE, RECORDER_MODULE, fit
 from tests.helpers import ROOT, run_cli

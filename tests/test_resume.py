@@ -26,8 +26,8 @@ from torch.utils.data import TensorDataset
 from reprotrain.cpu.profile import CpuProfile
 from reprotrain.determinism import configure_determinism
 from reprotrain.hashing import sha256_file, sha256_state_dict
-from reprotrain.pipeline.config import load_params
 from reprotrain.pipeline.data import ResumableLoader
+from reprotrain.pipeline.params_file import load_params
 from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.pipeline.resume_point import (
     Checkpointing,

@@ -127,7 +127,7 @@ def test_a_resumed_epoch_starts_past_its_consumed_micro_batches_without_reading_
 
 
 def _record(*overrides: str) -> dict:
-    from reprotrain.pipeline.config import load_params
+    from reprotrain.pipeline.params_file import load_params
     from reprotrain.pipeline.recipe import resolve_recipe
     from reprotrain.pipeline.run_record import recipe_record
 

@@ -171,8 +171,8 @@ def _bad_input() -> tuple[type[Exception], ...]:
 def _run(args: argparse.Namespace, started: bool) -> int:
     """Run the parsed command; the errors it raises become one line and an exit code."""
     from reprotrain.determinism import DeterminismError
-    from reprotrain.pipeline.config import load_params, render_defaults
     from reprotrain.pipeline.errors import Interrupted
+    from reprotrain.pipeline.params_file import load_params, render_defaults
 
     try:
         if started and args.command != "params" and verb_command(args.command).restarts:
@@ -229,7 +229,7 @@ def _restart_for_determinism(args: argparse.Namespace) -> None:
         refuse_or_warn,
     )
     from reprotrain.hashing import read_safetensors_metadata
-    from reprotrain.pipeline.config import load_params, parse_params
+    from reprotrain.pipeline.params_file import load_params, parse_params
 
     if getattr(args, "cmd", None):  # verify -- CMD: its runs start as `run` starts them,
         return None  # never with the CPU profile of a params.yaml that happens to be here

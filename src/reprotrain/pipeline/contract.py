@@ -27,7 +27,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from reprotrain.pipeline.config import ConfigError, Params, check_invariant_layout
+from reprotrain.pipeline.config import ConfigError, Params
 from reprotrain.pipeline.data import map_style
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.own_loaders import (
@@ -38,6 +38,7 @@ from reprotrain.pipeline.own_loaders import (
     order_problem,
     own_loader,
 )
+from reprotrain.pipeline.params_file import check_invariant_layout
 from reprotrain.pipeline.recipe import Recipe, ResolvedComponent, linked_arguments
 
 #: The splits; for each, a data module defines ``<split>_dataloader`` or ``<split>_dataset``.

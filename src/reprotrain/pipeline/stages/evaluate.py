@@ -35,8 +35,9 @@ from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import DeterminismError
 from reprotrain.hashing import canonical_json, load_safetensors
 from reprotrain.pipeline.command import Command, add_data_files, add_paths
-from reprotrain.pipeline.config import Params, parse_params
+from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.params_file import parse_params
 from reprotrain.provenance.dvcchecksum import verify_dvc_checksum
 
 if TYPE_CHECKING:  # torch loads when the stage runs, not when the CLI reads its options
