@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 from reprotrain.distributed.worldsize import MicroBatchSampler
-from reprotrain.pipeline.data import ResumableLoader
 from reprotrain.pipeline.prepared import PreparedShards, load_prepared
+from reprotrain.pipeline.resumable_loader import ResumableLoader
 from reprotrain.provenance.dvcchecksum import ChecksumError, md5_dir, verify_dvc_checksum
 from tests.helpers import (
     ROOT,

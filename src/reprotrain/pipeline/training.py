@@ -61,15 +61,12 @@ from reprotrain.pipeline.curves import (
     MetricLevels,
     TrainLossLogger,
 )
-from reprotrain.pipeline.data import (
-    PipelineLoaders,
-    stop_loader_workers,
-    stop_loader_workers_at_exit,
-)
+from reprotrain.pipeline.data import PipelineLoaders
 from reprotrain.pipeline.errors import DataError, Interrupted
 from reprotrain.pipeline.own_loaders import OwnLoader
 from reprotrain.pipeline.preflight import check_accelerator
 from reprotrain.pipeline.recipe import Recipe, build, hooks_skipped
+from reprotrain.pipeline.resumable_loader import stop_loader_workers, stop_loader_workers_at_exit
 from reprotrain.pipeline.resume_point import WORKERS_KEY, Checkpointing, LoaderStateRestored
 from reprotrain.resume import (
     InterruptCheckpoint,
