@@ -18,7 +18,8 @@ import yaml
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.config import DEFAULT_MODEL, ConfigError
 from reprotrain.pipeline.params_file import parse_component
-from reprotrain.pipeline.recipe import ResolvedComponent, code_files, resolve_component
+from reprotrain.pipeline.recipe import ResolvedComponent, resolve_component
+from reprotrain.pipeline.recipe_code import code_files
 from reprotrain.provenance.identity import code_hash
 
 CLASSIFIER = "reprotrain.recipes.digits.Classifier"

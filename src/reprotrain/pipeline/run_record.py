@@ -91,7 +91,7 @@ def run_inputs(
     distributed: Mapping[str, Any],
 ) -> dict[str, Any]:
     """Everything that decides the stage's bits; refuses data DVC recorded differently."""
-    from reprotrain.pipeline.recipe import code_files  # jsonargparse: only when a stage runs
+    from reprotrain.pipeline.recipe_code import code_files  # jsonargparse: only when a stage runs
 
     package = Path(reprotrain.__file__).parent.resolve()
     recipe_files = [f.resolve() for c in recipe.components for f in code_files(c)]
