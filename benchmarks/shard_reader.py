@@ -42,7 +42,8 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
 from _workloads import cpu_model
 from reprotrain.atomic import atomic_write_text
-from reprotrain.data.shards import ShardedDataset, write_shards
+from reprotrain.data.shard_writer import write_shards
+from reprotrain.data.shards import ShardedDataset
 from reprotrain.distributed.worldsize import MicroBatchSampler
 from reprotrain.hashing import canonical_json
 
