@@ -44,7 +44,7 @@ from _workloads import cpu_model
 from reprotrain.atomic import atomic_write_text
 from reprotrain.data.shard_writer import write_shards
 from reprotrain.data.shards import ShardedDataset
-from reprotrain.distributed.worldsize import MicroBatchSampler
+from reprotrain.distributed.microbatches import MicroBatchSampler
 from reprotrain.hashing import canonical_json
 
 MICRO_BATCH = 16

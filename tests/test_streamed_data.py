@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
-from reprotrain.distributed.worldsize import MicroBatchSampler
+from reprotrain.distributed.microbatches import MicroBatchSampler
 from reprotrain.pipeline.prepared import PreparedShards, load_prepared
 from reprotrain.pipeline.resumable_loader import ResumableLoader
 from reprotrain.provenance.dvcchecksum import ChecksumError, md5_dir, verify_dvc_checksum

@@ -36,7 +36,7 @@ Validation runs over the whole split on every rank, so its metrics are exact
 and equal on every rank, with no all-reduce.
 
 With ``micro_batch_size`` (``train.world_size_invariant``) the training loader
-takes :class:`~reprotrain.distributed.worldsize.MicroBatchSampler`'s micro-batches of one
+takes :class:`~reprotrain.distributed.microbatches.MicroBatchSampler`'s micro-batches of one
 global order instead, whose items are ``(index, key)``. A dataset that says
 it takes such items (``accepts_sample_keys = True``) draws from the key
 itself; any other is wrapped in :class:`SampleSeeded`, which seeds torch's,
@@ -57,7 +57,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from reprotrain.distributed.ddp import worker_start
-from reprotrain.distributed.worldsize import MicroBatchSampler, sample_seed
+from reprotrain.distributed.microbatches import MicroBatchSampler, sample_seed
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.own_loaders import (
     ORDER_GUARANTEES,
@@ -73,7 +73,7 @@ from reprotrain.pipeline.resumable_loader import ResumableLoader, WorkersIgnoreS
 class SampleSeeded(Dataset):
     """A dataset whose items are drawn with global generators seeded from the sample's key.
 
-    Items are ``(index, key)`` (:class:`~reprotrain.distributed.worldsize.MicroBatchSampler`);
+    Items are ``(index, key)`` (:class:`~reprotrain.distributed.microbatches.MicroBatchSampler`);
     torch's CPU, numpy's and Python's global generators are seeded from the key for
     the inner ``dataset[index]`` and restored after it, so the draw is the
     sample's own and the caller's streams (dropout's, in a loader without

@@ -78,7 +78,9 @@ def check_invariant_layout(
 ) -> None:
     """Refuse a world size and batch layout that world-size invariance cannot keep
     (``batch_key``: where the batch size comes from, for the message)."""
-    from reprotrain.distributed.worldsize import invariant_layout_problem  # torch: this mode only
+    from reprotrain.distributed.microbatches import (
+        invariant_layout_problem,  # torch: this mode only
+    )
 
     world = train.devices * train.num_nodes
     if problem := invariant_layout_problem(batch_size, train.micro_batch_size, world):

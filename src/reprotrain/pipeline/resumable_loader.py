@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from reprotrain.distributed.worldsize import MicroBatchSampler
+from reprotrain.distributed.microbatches import MicroBatchSampler
 
 
 class WorkersIgnoreStopSignals(DataLoader):
@@ -98,7 +98,7 @@ class ResumableLoader(WorkersIgnoreStopSignals):
     resuming mid-epoch) the next iterator rewinds the generator, draws the
     same order and seeds, and loads and drops the consumed batches, so every
     worker's augmentation stream is where it was. With a batch sampler that
-    skips by itself (:class:`~reprotrain.distributed.worldsize.MicroBatchSampler`,
+    skips by itself (:class:`~reprotrain.distributed.microbatches.MicroBatchSampler`,
     whose samples draw from their own keys) nothing is loaded again: the sampler
     starts past them, and the number of workers may differ from the interrupted run's.
     """
