@@ -5,7 +5,8 @@ The package has three layers; each imports only from the ones above it here
 
 * The library, usable in any Lightning project, no pipeline imports. At the
   root, what every part uses: :mod:`~reprotrain.determinism`
-  (``configure_determinism``, raise-or-warn), :mod:`~reprotrain.resume`,
+  (``configure_determinism``, raise-or-warn), :mod:`~reprotrain.seeding`,
+  :mod:`~reprotrain.resume`,
   :mod:`~reprotrain.hashing` (sha256 digests), :mod:`~reprotrain.fingerprint`
   (int64 tensor fingerprints on the tensor's device), :mod:`~reprotrain.atomic`.
   By concern, in subpackages: :mod:`reprotrain.cpu` (the CPU profiles and the

@@ -61,9 +61,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from torch import nn
 
-from reprotrain.determinism import seed_all
 from reprotrain.distributed.ddp import BACKENDS, DDP_OPTIONS
 from reprotrain.distributed.microbatches import invariant_layout_problem, micro_batch_seed
+from reprotrain.seeding import seed_all
 
 __all__ = ["WorldSizeInvariantStrategy", "refuse_tracked_batch_norm", "step_loss", "tree_sum"]
 

@@ -77,7 +77,6 @@ def _evaluate(args: argparse.Namespace) -> str:
     import lightning as L
     import torch
 
-    from reprotrain.determinism import seed_at_start
     from reprotrain.pipeline.contract import check_scoring
     from reprotrain.pipeline.data import PipelineLoaders
     from reprotrain.pipeline.recipe import (
@@ -87,6 +86,7 @@ def _evaluate(args: argparse.Namespace) -> str:
         set_up_model,
     )
     from reprotrain.pipeline.training import quiet_lightning
+    from reprotrain.seeding import seed_at_start
 
     if args.dvc_lock:
         for path in (*args.data, args.model):
