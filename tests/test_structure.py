@@ -169,6 +169,31 @@ def test_a_planted_import_circle_is_found(tmp_path: Path) -> None:
     assert import_cycles(package) == [["reprotrain.hashing"]]
 
 
+#: The most lines a module of the package may have: one that reads in one sitting.
+MAX_MODULE_LINES = 400
+
+
+def long_modules(package: Path) -> dict[str, int]:
+    """Every module over :data:`MAX_MODULE_LINES` lines -> its line count."""
+    counts = {
+        path.relative_to(package).as_posix(): len(path.read_text().splitlines())
+        for path in sorted(package.rglob("*.py"))
+        if "__pycache__" not in path.parts
+    }
+    return {name: count for name, count in counts.items() if count > MAX_MODULE_LINES}
+
+
+def test_every_module_reads_in_one_sitting() -> None:
+    assert long_modules(PACKAGE) == {}
+
+
+def test_a_planted_long_module_is_found(tmp_path: Path) -> None:
+    (tmp_path / "trace").mkdir()
+    (tmp_path / "trace" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (tmp_path / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    assert long_modules(tmp_path) == {"trace/long.py": MAX_MODULE_LINES + 1}
+
+
 def exit_code_definitions(package: Path) -> list[str]:
     """Every ``EXIT_... = <int>`` outside commands/_exit_codes.py, as ``module.NAME``."""
     found = []
