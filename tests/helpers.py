@@ -305,7 +305,7 @@ def params_with(changes: dict[str, object]) -> dict:
     """The default params as a YAML-ready dict, with dotted ``changes`` applied as given."""
     import yaml
 
-    from reprotrain.pipeline.config import render_defaults
+    from reprotrain.pipeline.params_file import render_defaults
 
     raw = yaml.safe_load(render_defaults())
     for key, value in changes.items():

@@ -14,7 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from reprotrain.commands._anyscript import _when_ops_match, failure_line
+from reprotrain.commands._anyscript import _when_ops_match
+from reprotrain.commands._runlog import failure_line
 from reprotrain.ops.opfile import load_recordings
 from tests.helpers import run_cli
 

@@ -3,7 +3,7 @@
 The stages depend on ``src/reprotrain``; ``.dvcignore`` hides what no stage
 runs (commands, the CLI, the op recorder, the comparisons), and the run ID
 hashes the files each stage imports (provenance.identity.source_files) and
-those of the built-in recipe params.yaml names (pipeline.recipe.code_files).
+those of the built-in recipe params.yaml names (pipeline.recipe_code.code_files).
 The two must agree, so an edit to a debugging tool neither reruns ``dvc repro``
 nor moves the run ID, and an edit to the model does both.
 """
@@ -40,8 +40,9 @@ PARAMS_FILES = (ROOT / "params.yaml", ROOT / "pipelines" / "lm" / "params.yaml")
 
 
 def _run_by_a_stage() -> set[Path]:
-    from reprotrain.pipeline.config import load_params
-    from reprotrain.pipeline.recipe import code_files, resolve_recipe
+    from reprotrain.pipeline.params_file import load_params
+    from reprotrain.pipeline.recipe import resolve_recipe
+    from reprotrain.pipeline.recipe_code import code_files
 
     stages = {
         path for stage in STAGES for path in source_files(f"reprotrain.pipeline.stages.{stage}")

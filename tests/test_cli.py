@@ -66,6 +66,53 @@ def _imported_after(argv: list[str], src: Path = ROOT / "src") -> tuple[int, set
     return int(words[0]), set(words[1:])
 
 
+#: ``reprotrain --help``'s groups -> the verbs each lists, in order.
+HELP_GROUPS = {
+    "the pipeline's stages (dvc.yaml runs them) and its params": [
+        "env", "prepare", "train", "evaluate", "params"
+    ],
+    "rerun and compare (the pipeline's runs or any script's)": [
+        "run", "verify", "compare", "locate", "opdiff"
+    ],
+    "CI and provenance": [
+        "status", "checklist", "run-id", "reference-note", "attest", "verify-attestation"
+    ],
+    "determinism lab (measured on this machine)": ["noise-floor", "bench", "ops"],
+}  # fmt: skip
+
+
+def help_groups(text: str) -> dict[str, list[str]]:
+    """The groups of verbs a ``--help`` text lists after its options: title -> verbs.
+
+    A group is a ``title:`` line, then one ``  verb  summary`` line per verb; a line
+    that is neither (a summary wrapped onto a second line) is kept as ``?line``.
+    """
+    groups: dict[str, list[str]] = {}
+    verbs: list[str] | None = None
+    for line in text.split("\noptions:\n", 1)[1].splitlines():
+        if not line.startswith(" ") and line.endswith(":"):
+            verbs = groups.setdefault(line[:-1], [])
+        elif verbs is not None and line.strip():
+            words = line.split()
+            summary = line[2 + len(words[0]) :]
+            ok = line.startswith("  ") and summary.startswith("  ") and summary.strip()
+            verbs.append(words[0] if ok else f"?{line}")
+    return groups
+
+
+def test_help_lists_every_verb_once_in_its_group_one_line_each(capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--help"])
+    assert stop.value.code == 0
+    groups = help_groups(capsys.readouterr().out)
+    assert groups == HELP_GROUPS
+    assert sorted(v for verbs in groups.values() for v in verbs) == sorted([*VERBS, "params"])
+    assert list(cli.VERB_GROUPS) == list(HELP_GROUPS)
+    # Negative control: a summary wrapped onto a second line shows as no verb.
+    text = "x\noptions:\n  -h\n\nCI and provenance:\n  status  would\n    change anything\n"
+    assert help_groups(text) == {"CI and provenance": ["status", "?    change anything"]}
+
+
 @pytest.mark.parametrize("command", ["", *VERBS, "params"])
 def test_help_imports_no_torch(command: str) -> None:
     code, heavy = _imported_after([command, "--help"] if command else ["--help"])

@@ -8,13 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reprotrain.pipeline.config import (
-    ConfigError,
-    Params,
-    load_params,
-    parse_params,
-    render_defaults,
-)
+from reprotrain.pipeline.config import ConfigError, Params
+from reprotrain.pipeline.params_file import load_params, parse_params, render_defaults
 from tests.helpers import DELETE, ROOT, params_with, run_cli, run_in_process
 
 

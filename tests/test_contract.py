@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from reprotrain.pipeline.config import ConfigError, Params, parse_params
+from reprotrain.pipeline.config import ConfigError, Params
 from reprotrain.pipeline.contract import (
     check_data_files,
     check_datasets,
@@ -29,6 +29,7 @@ from reprotrain.pipeline.contract import (
 )
 from reprotrain.pipeline.data import PipelineLoaders, SampleSeeded
 from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.params_file import parse_params
 from reprotrain.pipeline.recipe import resolve_recipe
 from tests.helpers import params_with
 

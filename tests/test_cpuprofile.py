@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from reprotrain.cpuprofile import CpuProfile, host_cpu_flags
+from reprotrain.cpu.profile import CpuProfile, host_cpu_flags
 from reprotrain.hashing import load_safetensors, sha256_file, sha256_state_dict
 from reprotrain.provenance.environment import (
     DECIDING_CPU_FIELDS,
@@ -170,7 +170,7 @@ def test_which_cpu_facts_decide_the_bits_under_each_profile(
     """Under portable no fact of the host CPU is in the key, its vendor neither (an Intel
     Xeon and AMD EPYCs trained the same bits: docs/cpu/); under native, and with no
     profile, they are; each fact of another CPU moves exactly the keys it decides."""
-    import reprotrain.cpuprofile as cpuprofile
+    import reprotrain.cpu.profile as cpuprofile
     import reprotrain.provenance.environment as environment
 
     profiles = {"portable": CpuProfile("portable"), "native": CpuProfile("native"), "none": None}
@@ -280,8 +280,8 @@ def test_a_cpu_without_avx2_or_fma_is_named_with_the_way_out() -> None:
 def test_configure_determinism_refuses_such_a_cpu_and_routes_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import reprotrain.cpuprofile as cpuprofile
-    from reprotrain import portable_kernels
+    import reprotrain.cpu.profile as cpuprofile
+    from reprotrain.cpu import kernels as portable_kernels
 
     monkeypatch.setattr(cpuprofile, "host_cpu_flags", lambda: frozenset({"avx", "avx2"}))
     problems = CpuProfile("portable").apply()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from reprotrain import determinism
+from reprotrain import determinism, seeding
 from reprotrain.determinism import DeterminismError, configure_determinism
 from tests.helpers import cli_env
 
@@ -91,11 +91,11 @@ def test_seeding_leaves_what_lightnings_seed_everything_leaves(
     lightnings = state()
     seed_everything((seed + 1) % 2**32, workers=True, verbose=False)
     assert state() != lightnings  # the control: another seed leaves other states
-    determinism.seed_at_start(seed)
+    seeding.seed_at_start(seed)
     assert state() == lightnings
     for out_of_bounds in (-1, 2**32):  # refused, as numpy (and Lightning) refuse them
         with pytest.raises(ValueError):
-            determinism.seed_at_start(out_of_bounds)
+            seeding.seed_at_start(out_of_bounds)
 
 
 @pytest.mark.parametrize("seed", [0, 7, 2**63 - 1, 2**64 - 1])
@@ -104,7 +104,7 @@ def test_seed_all_seeds_torch_as_manual_seed_does(seed: int) -> None:
     expected = torch.get_rng_state()
     torch.manual_seed(seed + 1 if seed < 2**64 - 1 else 0)
     assert not torch.equal(torch.get_rng_state(), expected)  # the control: the state moved
-    determinism.seed_all(seed)
+    seeding.seed_all(seed)
     assert torch.equal(torch.get_rng_state(), expected)
 
 
@@ -120,7 +120,7 @@ def test_seed_all_without_cuda_formats_no_stack(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(traceback, "format_stack", stack_formatted)
     with pytest.raises(AssertionError, match="format_stack"):  # the control: torch's does
         torch.manual_seed(3)
-    determinism.seed_all(3)
+    seeding.seed_all(3)
     assert torch.equal(torch.get_rng_state(), torch.Generator().manual_seed(3).get_state())
 
 

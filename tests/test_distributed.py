@@ -22,8 +22,9 @@ from torch.utils.data import DataLoader
 from reprotrain.determinism import DeterminismError
 from reprotrain.distributed.ddp import RankAgreement, distributed_layout, worker_start
 from reprotrain.hashing import sha256_file
-from reprotrain.pipeline.config import ConfigError, load_params
+from reprotrain.pipeline.config import ConfigError
 from reprotrain.pipeline.data import PipelineLoaders, ShardSampler
+from reprotrain.pipeline.params_file import load_params
 from reprotrain.provenance.environment import capture_environment, collective_variables
 from reprotrain.recipes.digits import DigitsData
 from reprotrain.trace.tracefile import load_trace

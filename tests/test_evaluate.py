@@ -274,8 +274,8 @@ def test_the_shipped_recipes_count_the_committed_test_samples(
 ) -> None:
     import lightning as L
 
-    from reprotrain.pipeline.config import load_params
     from reprotrain.pipeline.data import PipelineLoaders
+    from reprotrain.pipeline.params_file import load_params
     from reprotrain.pipeline.recipe import resolve_component
     from reprotrain.pipeline.stages.evaluate import samples_in
 

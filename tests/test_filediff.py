@@ -8,7 +8,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from reprotrain.compare.files import compare_files, file_kind
+from reprotrain.compare.files import compare_files
+from reprotrain.compare.readers import file_kind
 from reprotrain.hashing import safetensors_metadata
 
 
@@ -240,9 +241,9 @@ def test_numpy_values_inside_a_checkpoint_are_tensors_and_their_differences_foun
         "mean: different, max |a-b| 1, rel L2 2",
         "w: different, max |a-b| 1, rel L2 1",
     ]
-    from reprotrain.compare.files import _read_checkpoint
+    from reprotrain.compare.readers import read_checkpoint
 
-    tensors, _, _ = _read_checkpoint(a / "m.pt")
+    tensors, _, _ = read_checkpoint(a / "m.pt")
     assert torch.equal(tensors["fortran"], torch.arange(6.0, dtype=torch.float64).view(2, 3))
     assert tensors["big_endian"].tolist() == [0, 1, 2]
     # Control: the same values in both runs are identical.

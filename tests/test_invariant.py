@@ -21,14 +21,15 @@ import torch
 import yaml
 from torch.nn import functional as F
 
-from reprotrain.distributed.worldsize import (
+from reprotrain.distributed.microbatches import (
     MicroBatchSampler,
     invariant_layout_problem,
     sample_integers,
-    tree_sum,
 )
+from reprotrain.distributed.worldsize import tree_sum
 from reprotrain.hashing import sha256_file
-from reprotrain.pipeline.config import ConfigError, load_params
+from reprotrain.pipeline.config import ConfigError
+from reprotrain.pipeline.params_file import load_params
 from tests.helpers import (
     ROOT,
     cli_env,

@@ -35,7 +35,7 @@ from reprotrain.hashing import load_safetensors, safetensors_metadata, sha256_st
 from reprotrain.ops import recorder
 from reprotrain.ops.align import OpRecordError, compare_recordings
 from reprotrain.ops.recorder import DIR_VARIABLE, WINDOW_VARIABLE, OpRecorder, record_step
-from reprotrain.pipeline.config import load_params
+from reprotrain.pipeline.params_file import load_params
 from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.pipeline.training import RECORD_OPS_VARIABLE, RECORDER_MODULE, fit
 from tests.helpers import ROOT, run_cli
@@ -603,7 +603,7 @@ def test_configure_determinism_applies_the_profile_run_started_the_script_under(
 
 
 def test_a_launched_profile_variable_that_is_not_name_and_threads_is_named() -> None:
-    from reprotrain.cpuprofile import CpuProfile, launched_profile
+    from reprotrain.cpu.profile import CpuProfile, launched_profile
 
     assert launched_profile({"REPROTRAIN_CPU_PROFILE": "native:2"}) == CpuProfile("native", 2)
     assert launched_profile({}) is None

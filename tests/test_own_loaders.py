@@ -26,10 +26,12 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from reprotrain.pipeline.config import Params, parse_params
+from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.contract import order_refusal
-from reprotrain.pipeline.data import PipelineLoaders, ResumableLoader, first_batches
+from reprotrain.pipeline.data import PipelineLoaders, first_batches
 from reprotrain.pipeline.own_loaders import ORDER_GUARANTEES
+from reprotrain.pipeline.params_file import parse_params
+from reprotrain.pipeline.resumable_loader import ResumableLoader
 from tests.helpers import params_with
 
 SAMPLES = 20

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from reprotrain.pipeline.config import load_params
+from reprotrain.pipeline.params_file import load_params
 from reprotrain.pipeline.stages.env import record_environment, whole_environment
 from reprotrain.provenance.environment import environment_sha256
 from tests.helpers import ROOT, cli_env

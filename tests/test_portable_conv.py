@@ -1,10 +1,10 @@
-"""The portable profile's convolutions (reprotrain.portable_conv): their buffers and kept columns.
+"""The portable profile's convolutions (reprotrain.cpu.conv): their buffers and kept columns.
 
 What is shown: a convolution's results are its own though its buffers are reused;
 the columns a forward keeps for its backward give the bits of columns copied anew,
 are used (the kept list fills and empties), are not used for an input changed in
 place since the forward (the control: used anyway, the weight gradient differs),
-and stay within :data:`~reprotrain.portable_conv.KEEP_BYTES`.
+and stay within :data:`~reprotrain.cpu.conv.KEEP_BYTES`.
 """
 
 from __future__ import annotations
@@ -14,20 +14,20 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from reprotrain import portable_conv, portable_kernels
+from reprotrain.cpu import conv, kernels
 
 CONV = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)  # stride, padding, dilation, transposed, ...
 
 
 @pytest.fixture
 def routed() -> Iterator[None]:
-    portable_kernels.enable(1)
+    kernels.enable(1)
     yield
-    portable_kernels.disable()
+    kernels.disable()
 
 
-def _kept() -> list[portable_conv._Kept]:
-    return portable_conv._thread_list("kept")
+def _kept() -> list[conv._Kept]:
+    return conv._thread_list("kept")
 
 
 def _step(seed: int = 0) -> list[torch.Tensor]:
@@ -67,7 +67,7 @@ def test_kept_columns_give_the_bits_of_columns_copied_anew(
     routed: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kept = _step()
-    monkeypatch.setattr(portable_conv, "KEEP_BYTES", 0)  # nothing fits: every backward copies
+    monkeypatch.setattr(conv, "KEEP_BYTES", 0)  # nothing fits: every backward copies
     copied = _step()
     assert all(torch.equal(a, b) for a, b in zip(kept, copied, strict=True))
 
@@ -100,7 +100,7 @@ def test_kept_columns_are_not_used_for_an_input_changed_since(routed: None) -> N
 
     forward_then_double_x()
     after_change = weight_gradient()
-    portable_conv.forget()
+    conv.forget()
     assert torch.equal(after_change, weight_gradient())  # nothing kept: copied anew
     x.div_(2)
     forward_then_double_x()
@@ -115,11 +115,11 @@ def test_kept_columns_stay_within_their_bytes(
     x, weight = torch.randn(2, 3, 9, 9, generator=g), torch.randn(4, 3, 3, 3, generator=g)
     weight.requires_grad_()
     one = (3 * 9 * 2 * 7 * 7 + x.numel()) * x.element_size()  # columns and input, no padding
-    monkeypatch.setattr(portable_conv, "KEEP_BYTES", one)
+    monkeypatch.setattr(conv, "KEEP_BYTES", one)
     outputs = [torch.nn.functional.conv2d(x, weight) for _ in range(3)]
     assert len(_kept()) == 1
-    monkeypatch.setattr(portable_conv, "KEEP_BYTES", one - 1)  # the control: one too big
-    portable_conv.forget()
+    monkeypatch.setattr(conv, "KEEP_BYTES", one - 1)  # the control: one too big
+    conv.forget()
     outputs.append(torch.nn.functional.conv2d(x, weight))
     assert _kept() == []
     assert all(torch.equal(outputs[0], y) for y in outputs)

@@ -1,4 +1,4 @@
-"""The portable profile's own kernels (reprotrain.portable_kernels).
+"""The portable profile's own kernels (reprotrain.cpu.kernels).
 
 What is shown on one host: the routed products agree with torch's to rounding,
 give the same bits at any thread count, and the switch is explicit (off gives
@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from reprotrain import portable_gemm, portable_kernels
-from reprotrain.cpuprofile import MKL_VML_OPS, ROUTED, CpuProfile
+from reprotrain.cpu import gemm, kernels
+from reprotrain.cpu.profile import CpuProfile
+from reprotrain.cpu.routed import MKL_VML_OPS, ROUTED
 from tests.helpers import ROOT
 
 
@@ -38,11 +39,11 @@ def _cpu_kernel(op: str) -> str:
 
 @pytest.fixture
 def routed() -> Iterator[None]:
-    portable_kernels.enable(1)
+    kernels.enable(1)
     yield
-    portable_kernels.disable()
-    portable_kernels.enable(1)  # the thread pool back to one thread
-    portable_kernels.disable()
+    kernels.disable()
+    kernels.enable(1)  # the thread pool back to one thread
+    kernels.disable()
 
 
 def _products(seed: int = 0) -> list[torch.Tensor]:
@@ -78,12 +79,12 @@ def test_routed_products_agree_with_torch_and_are_not_torchs_kernels() -> None:
     torch.backends.mkldnn.enabled = False  # the convolution's im2col path, as under portable
     try:
         theirs = _products()
-        portable_kernels.enable(1)
+        kernels.enable(1)
         ours = _products()
-        portable_kernels.disable()
+        kernels.disable()
         again = _products()
     finally:
-        portable_kernels.disable()
+        kernels.disable()
         torch.backends.mkldnn.enabled = mkldnn
     assert all(
         torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(theirs, ours, strict=True)
@@ -97,12 +98,12 @@ def test_the_thread_count_leaves_the_products_bits_alone() -> None:
     try:
         runs = []
         for threads in (1, 2, 3):
-            portable_kernels.enable(threads)
+            kernels.enable(threads)
             runs.append(_products())
     finally:
-        portable_kernels.disable()
-        portable_kernels.enable(1)
-        portable_kernels.disable()
+        kernels.disable()
+        kernels.enable(1)
+        kernels.disable()
         torch.backends.mkldnn.enabled = True
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
@@ -112,7 +113,7 @@ def test_matrices_called_one_at_a_time_give_the_bits_of_one_batched_call(
     routed: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     batched = _products()
-    monkeypatch.setattr(portable_gemm, "_INT_MAX", 0)  # as for matrices 2**31 apart
+    monkeypatch.setattr(gemm, "_INT_MAX", 0)  # as for matrices 2**31 apart
     alone = _products()
     assert all(torch.equal(a, b) for a, b in zip(batched, alone, strict=True))
 
@@ -120,7 +121,7 @@ def test_matrices_called_one_at_a_time_give_the_bits_of_one_batched_call(
 def test_another_row_block_gives_other_bits(routed: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Why the block is fixed (and in the record): OpenBLAS's bits follow a call's shape."""
     blocked = _products()
-    monkeypatch.setattr(portable_gemm, "ROW_BLOCK", 64)
+    monkeypatch.setattr(gemm, "ROW_BLOCK", 64)
     assert not torch.equal(blocked[0], _products()[0])  # 300 rows: 3 blocks, now 5
 
 
@@ -137,7 +138,7 @@ def test_integer_products_stay_exact(routed: None) -> None:
 def test_dropouts_mask_is_atens_own_stream(routed: None) -> None:
     torch.manual_seed(5)
     ours = torch.empty(1000).bernoulli_(0.3)
-    portable_kernels.disable()
+    kernels.disable()
     torch.manual_seed(5)
     # ATen's generator path, which torch takes on AMD CPUs (and MKL's VSL on Intel ones)
     atens = torch.empty(1000).bernoulli_(torch.full((1000,), 0.3, dtype=torch.float64))
@@ -196,9 +197,9 @@ def test_routed_square_root_rounds_as_ieee_requires(routed: None, dtype: torch.d
     assert torch.equal(strided_out.view(bits), grid_want.t().contiguous().view(bits))
     assert torch.equal(torch.sqrt(x[5:6].expand(3)), want[5:6].expand(3))
     assert torch.sqrt(x.to(torch.bfloat16)).dtype == torch.bfloat16  # torch's kernel takes it
-    assert "portable_kernels.py" in _cpu_kernel("sqrt")  # not torch's kernel
-    portable_kernels.disable()
-    assert _cpu_kernel("sqrt") == repr(portable_kernels._torchs["sqrt"])  # off: torch's again
+    assert "reprotrain/cpu/kernels.py" in _cpu_kernel("sqrt")  # not torch's kernel
+    kernels.disable()
+    assert _cpu_kernel("sqrt") == repr(kernels._torchs["sqrt"])  # off: torch's again
     theirs = torch.sqrt(x)  # the control: MKL's roots are not all exact, so the check can fail
     assert not torch.equal(theirs[number].view(bits), want[number].view(bits)), "MKL was exact"
 
@@ -221,7 +222,7 @@ def test_the_routed_square_root_promotes_casts_and_refuses_as_torch_does(routed:
 
 
 def test_every_routed_op_has_a_kernel() -> None:
-    assert set(ROUTED) == set(portable_kernels._KERNELS)
+    assert set(ROUTED) == set(kernels._KERNELS)
     assert CpuProfile("portable").record()["kernels"]["routed"] == list(ROUTED)
     assert "kernels" not in CpuProfile("native").record()
 

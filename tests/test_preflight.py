@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import yaml
 
-from reprotrain.pipeline.config import Params, load_params
+from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.params_file import load_params
 from reprotrain.pipeline.preflight import (
     Sizes,
     check_raw_data,

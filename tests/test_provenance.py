@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from reprotrain.determinism import configure_determinism
-from reprotrain.pipeline.config import load_params
+from reprotrain.pipeline.params_file import load_params
 from reprotrain.pipeline.recipe import resolve_recipe
 from reprotrain.pipeline.stages import train
 from reprotrain.provenance.dvcchecksum import ChecksumError, md5_file, verify_dvc_checksum

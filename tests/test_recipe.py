@@ -16,8 +16,10 @@ import pytest
 import yaml
 
 from reprotrain.hashing import canonical_json
-from reprotrain.pipeline.config import DEFAULT_MODEL, ConfigError, parse_component
-from reprotrain.pipeline.recipe import ResolvedComponent, code_files, resolve_component
+from reprotrain.pipeline.config import DEFAULT_MODEL, ConfigError
+from reprotrain.pipeline.params_file import parse_component
+from reprotrain.pipeline.recipe import ResolvedComponent, resolve_component
+from reprotrain.pipeline.recipe_code import code_files
 from reprotrain.provenance.identity import code_hash
 
 CLASSIFIER = "reprotrain.recipes.digits.Classifier"
@@ -236,7 +238,7 @@ def test_shipped_recipes_resolve_to_what_their_params_spell_out(
 ) -> None:
     """The run ID's recipe input for the shipped pipelines: every argument, as written, and
     no null added by the null handling (so their run IDs stay where they were)."""
-    from reprotrain.pipeline.config import load_params
+    from reprotrain.pipeline.params_file import load_params
     from reprotrain.pipeline.recipe import resolve_recipe
 
     written = load_params(repo_root / params)
@@ -326,7 +328,7 @@ def test_installed_third_party_classes_add_no_code_and_reprotrain_adds_its_impor
 
 
 def test_a_value_error_from_a_data_modules_setup_is_one_line_naming_its_section() -> None:
-    from reprotrain.pipeline.config import load_params
+    from reprotrain.pipeline.params_file import load_params
     from reprotrain.pipeline.recipe import linked_arguments, resolve_recipe
     from tests.helpers import ROOT
 

@@ -23,12 +23,12 @@ import torch
 import yaml
 from torch.utils.data import TensorDataset
 
-from reprotrain.cpuprofile import CpuProfile
+from reprotrain.cpu.profile import CpuProfile
 from reprotrain.determinism import configure_determinism
 from reprotrain.hashing import sha256_file, sha256_state_dict
-from reprotrain.pipeline.config import load_params
-from reprotrain.pipeline.data import ResumableLoader
+from reprotrain.pipeline.params_file import load_params
 from reprotrain.pipeline.recipe import resolve_recipe
+from reprotrain.pipeline.resumable_loader import ResumableLoader
 from reprotrain.pipeline.resume_point import (
     Checkpointing,
     find_resume_point,
@@ -508,7 +508,10 @@ def test_saved_hyperparameters_holding_objects_still_load_with_weights_only(
 #: stage's exit function registered) or "plain".
 LEFT_WORKERS = """\
 import sys
-from reprotrain.pipeline.data import WorkersIgnoreStopSignals, stop_loader_workers_at_exit
+from reprotrain.pipeline.resumable_loader import (
+    WorkersIgnoreStopSignals,
+    stop_loader_workers_at_exit,
+)
 
 if sys.argv[1] == "stopped":
     stop_loader_workers_at_exit()

@@ -17,15 +17,9 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from reprotrain.data import shards
-from reprotrain.data.shards import (
-    INDEX,
-    ShardedDataset,
-    ShardError,
-    ShardWriter,
-    check_shards,
-    write_shards,
-)
-from reprotrain.distributed.worldsize import MicroBatchSampler
+from reprotrain.data.shard_writer import ShardWriter, write_shards
+from reprotrain.data.shards import INDEX, ShardedDataset, ShardError, check_shards
+from reprotrain.distributed.microbatches import MicroBatchSampler
 from reprotrain.pipeline.data import SampleSeeded
 from tests.helpers import cli_env
 

@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
-from reprotrain.distributed.worldsize import MicroBatchSampler
-from reprotrain.pipeline.data import ResumableLoader
+from reprotrain.distributed.microbatches import MicroBatchSampler
 from reprotrain.pipeline.prepared import PreparedShards, load_prepared
+from reprotrain.pipeline.resumable_loader import ResumableLoader
 from reprotrain.provenance.dvcchecksum import ChecksumError, md5_dir, verify_dvc_checksum
 from tests.helpers import (
     ROOT,
@@ -127,7 +127,7 @@ def test_a_resumed_epoch_starts_past_its_consumed_micro_batches_without_reading_
 
 
 def _record(*overrides: str) -> dict:
-    from reprotrain.pipeline.config import load_params
+    from reprotrain.pipeline.params_file import load_params
     from reprotrain.pipeline.recipe import resolve_recipe
     from reprotrain.pipeline.run_record import recipe_record
 

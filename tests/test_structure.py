@@ -89,6 +89,111 @@ def test_a_planted_reverse_import_is_found(tmp_path: Path) -> None:
     ]
 
 
+def imported_modules(path: Path, package: Path, modules: set[str]) -> set[str]:
+    """The package's modules that ``path`` imports, at module level or inside a function.
+
+    ``from reprotrain.cpu import kernels`` names the module ``reprotrain.cpu.kernels``;
+    ``from reprotrain.cpu.profile import CpuProfile`` names ``reprotrain.cpu.profile``.
+    """
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found.update(t for t in targets if t.split(".")[0] == package.name and t in modules)
+    return found
+
+
+def import_cycles(package: Path) -> list[list[str]]:
+    """Every set of the package's modules that import each other round a circle, sorted.
+
+    Tarjan's strongly connected components over the import graph; a component of two
+    or more modules, or a module that imports itself, is a cycle.
+    """
+    paths = {
+        _module_name(p, package): p for p in package.rglob("*.py") if "__pycache__" not in p.parts
+    }
+    graph = {name: imported_modules(p, package, set(paths)) for name, p in paths.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(name: str) -> None:
+        index[name] = low[name] = len(index)
+        stack.append(name)
+        for target in sorted(graph[name]):
+            if target not in index:
+                visit(target)
+                low[name] = min(low[name], low[target])
+            elif target in stack:
+                low[name] = min(low[name], index[target])
+        if low[name] == index[name]:
+            component = []
+            while not component or component[-1] != name:
+                component.append(stack.pop())
+            if len(component) > 1 or name in graph[name]:
+                cycles.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return sorted(cycles)
+
+
+def test_no_modules_import_each_other_round_a_circle() -> None:
+    assert import_cycles(PACKAGE) == []
+
+
+def test_a_planted_import_circle_is_found(tmp_path: Path) -> None:
+    """Negative control: a tiny package whose modules import each other, one inside a function."""
+    package = tmp_path / "reprotrain"
+    (package / "cpu").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "cpu" / "__init__.py").write_text("")
+    (package / "cpu" / "profile.py").write_text(
+        "def apply() -> None:\n    from reprotrain.cpu import kernels\n"
+    )
+    (package / "cpu" / "kernels.py").write_text("from reprotrain.cpu.gemm import mm\n")
+    (package / "cpu" / "gemm.py").write_text("from reprotrain.cpu.profile import ROW_BLOCK\n")
+    (package / "hashing.py").write_text("import reprotrain.hashing\n")
+    (package / "atomic.py").write_text("from reprotrain.cpu import profile\n")
+    assert import_cycles(package) == [
+        ["reprotrain.cpu.gemm", "reprotrain.cpu.kernels", "reprotrain.cpu.profile"],
+        ["reprotrain.hashing"],
+    ]
+    (package / "cpu" / "gemm.py").write_text("ROW_BLOCK = 128\n")  # the circle broken
+    assert import_cycles(package) == [["reprotrain.hashing"]]
+
+
+#: The most lines a module of the package may have: one that reads in one sitting.
+MAX_MODULE_LINES = 400
+
+
+def long_modules(package: Path) -> dict[str, int]:
+    """Every module over :data:`MAX_MODULE_LINES` lines -> its line count."""
+    counts = {
+        path.relative_to(package).as_posix(): len(path.read_text().splitlines())
+        for path in sorted(package.rglob("*.py"))
+        if "__pycache__" not in path.parts
+    }
+    return {name: count for name, count in counts.items() if count > MAX_MODULE_LINES}
+
+
+def test_every_module_reads_in_one_sitting() -> None:
+    assert long_modules(PACKAGE) == {}
+
+
+def test_a_planted_long_module_is_found(tmp_path: Path) -> None:
+    (tmp_path / "trace").mkdir()
+    (tmp_path / "trace" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (tmp_path / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    assert long_modules(tmp_path) == {"trace/long.py": MAX_MODULE_LINES + 1}
+
+
 def exit_code_definitions(package: Path) -> list[str]:
     """Every ``EXIT_... = <int>`` outside commands/_exit_codes.py, as ``module.NAME``."""
     found = []

@@ -320,7 +320,7 @@ class DevicePathTrace(TraceCallback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        self._on_cpu = False
+        self._on_cpu = self._batches._on_cpu = False  # the rows and the batch column
 
 
 @pytest.mark.parametrize("detail", ["default", "full"])

@@ -34,12 +34,13 @@ from safetensors.torch import save
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from reprotrain.cpuprofile import CpuProfile
+from reprotrain.cpu.profile import CpuProfile
 from reprotrain.determinism import configure_determinism
 from reprotrain.hashing import load_safetensors
-from reprotrain.pipeline.config import ConfigError, parse_params
+from reprotrain.pipeline.config import ConfigError
 from reprotrain.pipeline.curves import MemoryLogger
 from reprotrain.pipeline.errors import DataError, Interrupted
+from reprotrain.pipeline.params_file import parse_params
 from reprotrain.pipeline.recipe import hooks_skipped, resolve_recipe
 from reprotrain.pipeline.resume_point import Checkpointing, find_resume_point
 from reprotrain.pipeline.train_files import write_outputs

@@ -33,7 +33,8 @@ from reprotrain.determinism import configure_determinism
 from reprotrain.distributed.ddp import set_threads_per_rank, this_rank
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline import training
-from reprotrain.pipeline.config import Params, load_params
+from reprotrain.pipeline.config import Params
+from reprotrain.pipeline.params_file import load_params
 from reprotrain.pipeline.prepared import save_prepared
 from reprotrain.pipeline.rawdata import load_raw
 from reprotrain.pipeline.recipe import resolve_recipe

@@ -65,7 +65,7 @@ def measure(onednn: bool, workload: str = "conv") -> float:
     import torch
 
     from reprotrain.commands._steptime import conv_workload, pipeline_workload, set_mode, time_run
-    from reprotrain.pipeline.config import load_params
+    from reprotrain.pipeline.params_file import load_params
 
     torch.set_num_threads(1)
     torch.backends.mkldnn.enabled = onednn

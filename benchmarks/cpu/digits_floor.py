@@ -49,7 +49,7 @@ def measure(what: str) -> float:
 
     import torch
 
-    from reprotrain.cpuprofile import CpuProfile
+    from reprotrain.cpu.profile import CpuProfile
     from reprotrain.determinism import configure_determinism
     from reprotrain.recipes.digits import Classifier
 
@@ -58,7 +58,7 @@ def measure(what: str) -> float:
     )
     g = torch.Generator().manual_seed(0)
     if what == "copies":
-        from reprotrain import portable_conv
+        from reprotrain.cpu import conv as portable_conv
 
         conv = ((1, 1), (1, 1), (1, 1), False, (0, 0), 1)  # the recipe's: 3x3, padding 1
         layers = [
@@ -83,7 +83,7 @@ def measure(what: str) -> float:
                 a @ b
     else:
         if what == "uncached":
-            from reprotrain import portable_conv
+            from reprotrain.cpu import conv as portable_conv
 
             portable_conv.KEEP_BYTES = 0  # every weight gradient copies its columns anew
         model = Classifier((1, 8, 8), 10)
@@ -107,7 +107,7 @@ def measure(what: str) -> float:
 
 
 def _child(what: str) -> float:
-    from reprotrain.cpuprofile import CpuProfile
+    from reprotrain.cpu.profile import CpuProfile
 
     profile = CpuProfile("native" if what == "native" else "portable")
     pins = {*CpuProfile("portable").variables(), *profile.variables()}  # none left from a shell

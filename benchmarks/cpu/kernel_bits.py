@@ -1,6 +1,6 @@
 """The bits of every kernel the portable profile routes, on fixed inputs: hosts compare in seconds.
 
-Each row runs one routed op of ``reprotrain.portable_kernels`` (``cpuprofile.ROUTED``)
+Each row runs one routed op of ``reprotrain.cpu.kernels`` (``cpuprofile.ROUTED``)
 on inputs of the shipped recipes' shapes (the language model's GEMMs at batch 32 x 64
 tokens, width 64 and 144; the digits network's convolutions; dropout's mask; the square
 root of Adam's update over every float32 exponent) and prints
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from reprotrain.cpuprofile import CpuProfile
+from reprotrain.cpu.profile import CpuProfile
 from reprotrain.determinism import reexec_with_fixed_hash_seed
 
 
@@ -87,7 +87,7 @@ def _rows(g: object) -> dict[str, Callable[[], list[object]]]:
 def table(routed: bool, threads: int) -> list[tuple[str, str, float]]:
     import torch
 
-    from reprotrain import portable_kernels
+    from reprotrain.cpu import kernels as portable_kernels
 
     torch.backends.mkldnn.enabled = False
     portable_kernels.enable(threads) if routed else portable_kernels.disable()

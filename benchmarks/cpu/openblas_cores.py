@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # python benchmarks/<group>/<script>.py: import from the root
 
 from benchmarks._common.child import run_json
-from reprotrain.cpuprofile import openblas_library
+from reprotrain.cpu.routed import openblas_library
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 SHAPES = [(m, n, k) for m in (1, 17, 128) for n in (5, 65, 576) for k in (1, 64, 144, 2048)]

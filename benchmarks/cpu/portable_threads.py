@@ -23,7 +23,7 @@ import argparse
 import statistics
 import time
 
-from reprotrain.cpuprofile import CpuProfile
+from reprotrain.cpu.profile import CpuProfile
 from reprotrain.determinism import reexec_with_fixed_hash_seed
 
 WAYS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (GEMM threads, ATen threads)
@@ -38,7 +38,7 @@ def main() -> None:
     reexec_with_fixed_hash_seed(CpuProfile("portable", 2).variables())
     import torch
 
-    from reprotrain import portable_kernels
+    from reprotrain.cpu import kernels as portable_kernels
     from reprotrain.recipes.language_model import TinyGPT
 
     torch.manual_seed(0)

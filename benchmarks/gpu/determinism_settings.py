@@ -147,7 +147,7 @@ def set_flags(flags: Flags) -> None:
 def workloads(args: argparse.Namespace, device: Any) -> dict[str, tuple[Any, Any]]:
     """name -> (setup, batches), built once per process from fixed seeds."""
     from reprotrain.commands import _steptime
-    from reprotrain.pipeline.config import load_params
+    from reprotrain.pipeline.params_file import load_params
 
     built = {}
     if "conv" in args.workloads:

@@ -124,7 +124,7 @@ def time_draws() -> None:
 
     import numpy as np
 
-    from reprotrain.distributed.worldsize import sample_integers, sample_rng
+    from reprotrain.distributed.microbatches import sample_integers, sample_rng
 
     key, calls = (2**61 + 5, 17), 20000
     draws = {

@@ -46,8 +46,9 @@ sys.path.insert(0, str(ROOT))  # python benchmarks/<group>/<script>.py: import f
 
 from benchmarks._common.workloads import cpu_model
 from reprotrain.atomic import atomic_write_text
-from reprotrain.data.shards import ShardedDataset, write_shards
-from reprotrain.distributed.worldsize import MicroBatchSampler
+from reprotrain.data.shard_writer import write_shards
+from reprotrain.data.shards import ShardedDataset
+from reprotrain.distributed.microbatches import MicroBatchSampler
 from reprotrain.hashing import canonical_json
 
 MICRO_BATCH = 16

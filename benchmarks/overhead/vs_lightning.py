@@ -61,7 +61,7 @@ from benchmarks._common.child import child_env, run_json
 from benchmarks._common.workloads import WORKLOADS, cpu_model
 from reprotrain.atomic import atomic_write_text
 from reprotrain.commands.bench import effect_pct
-from reprotrain.cpuprofile import NEUTRALISED, CpuProfile
+from reprotrain.cpu.profile import NEUTRALISED, CpuProfile
 from reprotrain.hashing import canonical_json
 
 SIZES = {
@@ -190,7 +190,7 @@ def plain(_: str, spec: dict[str, int], warmup: int, steps: int) -> tuple[list[f
     import torch
     from torch.utils.data import DataLoader
 
-    from reprotrain.pipeline.config import load_params
+    from reprotrain.pipeline.params_file import load_params
     from reprotrain.recipes.language_model import CharCorpus, TinyGPT
 
     params = load_params(WORKLOADS["lm"], overrides(spec, "native"))

@@ -5,10 +5,12 @@ The package has three layers; each imports only from the ones above it here
 
 * The library, usable in any Lightning project, no pipeline imports. At the
   root, what every part uses: :mod:`~reprotrain.determinism`
-  (``configure_determinism``, raise-or-warn), :mod:`~reprotrain.cpuprofile`,
-  :mod:`~reprotrain.resume`, :mod:`~reprotrain.hashing` (sha256 digests),
-  :mod:`~reprotrain.fingerprint` (int64 tensor fingerprints on the tensor's
-  device), :mod:`~reprotrain.atomic`. By concern, in subpackages:
+  (``configure_determinism``, raise-or-warn), :mod:`~reprotrain.seeding`,
+  :mod:`~reprotrain.resume`,
+  :mod:`~reprotrain.hashing` (sha256 digests), :mod:`~reprotrain.fingerprint`
+  (int64 tensor fingerprints on the tensor's device), :mod:`~reprotrain.atomic`.
+  By concern, in subpackages: :mod:`reprotrain.cpu` (the CPU profiles and the
+  portable profile's kernels),
   :mod:`reprotrain.trace` (per-step fingerprints of a run, and their diff),
   :mod:`reprotrain.ops` (every aten op of a step: recording, alignment,
   non-deterministic op probes), :mod:`reprotrain.distributed` (DDP ranks and

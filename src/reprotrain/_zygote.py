@@ -17,10 +17,10 @@ same signal); if this process dies, the server kills the child's group.
 One server per set of start-up variables (:data:`STARTUP`: those an interpreter,
 OpenMP, MKL, OpenBLAS, ATen or CUDA read when they load, and ``PYTHON*``) and
 process context; the first request of a set execs as before, the second
-starts its server and waits for it (what its own exec would cost), and it
-and later ones are served. A command line with interpreter
-options (``python -X importtime -m ...``) always execs. A server exits after
-:data:`IDLE_S` seconds without a request. Under ``REPROTRAIN_ZYGOTE`` unset this
+starts its server (:mod:`reprotrain._zygote_server`) and waits for it (what
+its own exec would cost), and it and later ones are served. A command line
+with interpreter options (``python -X importtime -m ...``) always execs. A
+server exits after ``IDLE_S`` seconds without a request. Under ``REPROTRAIN_ZYGOTE`` unset this
 module is never imported.
 
 Limits, why it is for tests only: the child is a fork of a process that
@@ -36,11 +36,8 @@ from __future__ import annotations
 import array
 import contextlib
 import hashlib
-import importlib
 import json
 import os
-import runpy
-import selectors
 import signal
 import socket
 import struct
@@ -56,15 +53,13 @@ STARTUP = (
     *("ATEN_", "TORCH", "CUDA", "CUBLAS", "CUDNN", "NCCL", "ONEDNN", "DNNL", "PL_", "LIGHTNING"),
     "REPROTRAIN_TEST_",  # tests/inject's sitecustomize reads them at start
 )
-#: Modules a served command would import anyway, imported once by the server.
-WARM = ("torch", "lightning", "reprotrain.cli", "reprotrain.pipeline.stages.train")
-IDLE_S = 120.0
 #: Seconds the request that finds its server starting waits for it before it execs.
 START_WAIT_S = 120.0
 #: Signals a waiting requester passes on to the child's process group.
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 _HEADER = struct.Struct("!I")
-#: True in a served child: the command it runs must not ask for a server again.
+#: True in a served child (set by :mod:`reprotrain._zygote_server`): the command it runs
+#: must not ask for a server again.
 SERVED = False
 
 
@@ -88,7 +83,7 @@ def _context() -> list:
     return [spaces, ids, limits, sorted(os.sched_getaffinity(0)), cgroup]
 
 
-def _entry(argv: list[str]) -> tuple[str, str] | None:
+def entry(argv: list[str]) -> tuple[str, str] | None:
     """``("module", name)`` for ``python -m name``, ``("path", script)`` for ``python
     script``; None for a command line with interpreter options (exec it)."""
     if len(argv) >= 3 and argv[1] == "-m":
@@ -98,7 +93,7 @@ def _entry(argv: list[str]) -> tuple[str, str] | None:
     return None
 
 
-def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
+def send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
     data = json.dumps(message).encode()
     payload = _HEADER.pack(len(data)) + data
     if fds:
@@ -107,7 +102,7 @@ def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
         sock.sendall(payload)
 
 
-def _receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
+def receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
     """One message and the descriptors that came with it; (None, []) at end of stream."""
     fds: list[int] = []
     data = b""
@@ -133,7 +128,7 @@ def hand_over(argv: list[str], env: dict[str, str]) -> None:
     """Run ``argv`` (an interpreter's command line) under ``env`` in a served child and end
     as it ends; return (exec as before) where no server takes it."""
     folder = Path(env.get(VARIABLE) or os.environ[VARIABLE])
-    if _entry(argv) is None:
+    if entry(argv) is None:
         return
     key = _key(argv, env)
     path = folder / f"{key}.sock"
@@ -160,8 +155,8 @@ def hand_over(argv: list[str], env: dict[str, str]) -> None:
         "blocked": [int(n) for n in signal.pthread_sigmask(signal.SIG_BLOCK, [])],
     }
     try:
-        _send(sock, request, [0, 1, 2])
-        started, _ = _receive(sock)
+        send(sock, request, [0, 1, 2])
+        started, _ = receive(sock)
     except OSError:
         started = None
     if started is None:  # the server went away before forking: exec as before
@@ -169,9 +164,9 @@ def hand_over(argv: list[str], env: dict[str, str]) -> None:
         return
     child = started["pid"]
     for number in FORWARDED:
-        signal.signal(number, lambda sig, _frame: _signal_group(child, sig))
+        signal.signal(number, lambda sig, _frame: signal_group(child, sig))
     try:
-        ended, _ = _receive(sock)
+        ended, _ = receive(sock)
     except OSError:
         ended = None
     status = -signal.SIGKILL if ended is None else ended["status"]
@@ -191,7 +186,7 @@ def hand_over_rank() -> None:
     hand_over([sys.executable, *sys.orig_argv[1:]], dict(os.environ))
 
 
-def _signal_group(pid: int, number: int) -> None:
+def signal_group(pid: int, number: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, number)
 
@@ -217,7 +212,7 @@ def _start_server(folder: Path, key: str, argv: list[str], env: dict[str, str]) 
         os.close(os.open(folder / f"{key}.starting", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except FileExistsError:
         return True
-    server = [argv[0], "-m", "reprotrain._zygote", str(folder / f"{key}.sock")]
+    server = [argv[0], "-m", "reprotrain._zygote_server", str(folder / f"{key}.sock")]
     log = os.open(folder / f"{key}.log", os.O_CREAT | os.O_APPEND | os.O_WRONLY, 0o600)
     pid = os.fork()
     if pid == 0:  # forked twice: the server is nobody's child, so no test counts it as
@@ -253,159 +248,3 @@ def _connect_once_up(folder: Path, key: str) -> socket.socket | None:
             return None
         time.sleep(0.05)
     return None
-
-
-# --- the server -----------------------------------------------------------------------------
-
-
-def serve(path: Path) -> None:
-    """Import :data:`WARM`, then fork a child per request until idle for :data:`IDLE_S`;
-    whatever ends it (a failed import too) removes its files, so no request waits on it."""
-    try:
-        _serve(path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        for suffix in (".starting", ".pid"):
-            with contextlib.suppress(FileNotFoundError):
-                path.with_suffix(suffix).unlink()
-
-
-def _serve(path: Path) -> None:
-    import importlib
-
-    for name in WARM:
-        importlib.import_module(name)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-    listener.bind(str(path))
-    listener.listen(64)
-    path.with_suffix(".pid").write_text(f"{os.getpid()}\n")
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ, "listener")
-    children: dict[int, tuple[socket.socket, int]] = {}  # pidfd -> (connection, pid)
-    last = time.monotonic()
-    while children or time.monotonic() - last < IDLE_S:
-        for handle, _ in selector.select(timeout=5.0):
-            if handle.data == "listener":
-                connection, _ = listener.accept()
-                last = time.monotonic()
-                pid = _fork_child(connection, selector)
-                if pid is None:
-                    connection.close()
-                    continue
-                pidfd = os.pidfd_open(pid)
-                children[pidfd] = (connection, pid)
-                selector.register(pidfd, selectors.EVENT_READ, ("child", pidfd))
-                selector.register(connection, selectors.EVENT_READ, ("requester", pidfd))
-            elif handle.data[0] == "child":
-                _reap(handle.data[1], children, selector)
-                last = time.monotonic()
-            elif handle.data[1] in children:  # the requester closed or died: stop the child
-                _, pid = children[handle.data[1]]
-                _signal_group(pid, signal.SIGKILL)
-                selector.unregister(handle.fileobj)
-
-
-def _reap(pidfd: int, children: dict, selector: selectors.BaseSelector) -> None:
-    connection, pid = children.pop(pidfd)
-    _, code = os.waitpid(pid, 0)
-    status = -os.WTERMSIG(code) if os.WIFSIGNALED(code) else os.WEXITSTATUS(code)
-    selector.unregister(pidfd)
-    os.close(pidfd)
-    with contextlib.suppress(KeyError, ValueError):
-        selector.unregister(connection)
-    with contextlib.suppress(OSError):
-        _send(connection, {"status": status})
-    connection.close()
-
-
-def _fork_child(connection: socket.socket, selector: selectors.BaseSelector) -> int | None:
-    request, fds = _receive(connection)
-    if request is None or len(fds) != 3:
-        for fd in fds:
-            os.close(fd)
-        return None
-    pid = os.fork()
-    if pid == 0:  # none of the server's sockets or pidfds stays open in the child
-        for held in list(selector.get_map().values()):
-            with contextlib.suppress(OSError):
-                os.close(held.fd)
-        selector.close()
-        _run_child(request, fds, connection)
-    for fd in fds:
-        os.close(fd)
-    _send(connection, {"pid": pid})
-    print(f"served {pid}: {' '.join(request['argv'][1:4])}", file=sys.stderr, flush=True)
-    return pid
-
-
-def _run_child(request: dict, fds: list[int], connection: socket.socket) -> None:
-    """In the forked child: become the requested process, run it, exit as it exits."""
-    global SERVED
-    SERVED = True
-    code = 1
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the server
-        os.setpgid(0, 0)
-        connection.close()
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        for number in (*FORWARDED, signal.SIGCHLD):
-            signal.signal(number, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python sets it at start
-        for number in request["ignored"]:
-            signal.signal(number, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
-        os.chdir(request["cwd"])
-        os.umask(request["umask"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        import tempfile
-
-        tempfile.tempdir = None
-        if "numpy" in sys.modules:  # seeded from the system at import in a fresh process
-            sys.modules["numpy"].random.seed()
-        argv = request["argv"]
-        sys.orig_argv[:] = argv
-        kind, target = _entry(argv)  # type: ignore[misc]  # checked by the requester
-        if kind == "module":
-            sys.argv[:] = [target, *argv[3:]]
-            sys.path[0] = request["cwd"]
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            sys.argv[:] = argv[1:]
-            sys.path[0] = str(Path(target).resolve().parent)
-            runpy.run_path(target, run_name="__main__")
-        code = 0
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-        if not isinstance(done.code, int) and done.code is not None:
-            print(done.code, file=sys.stderr)
-    except KeyboardInterrupt:  # as the interpreter ends on one: killed by SIGINT
-        sys.excepthook(*sys.exc_info())
-        code = -signal.SIGINT
-    except BaseException:  # noqa: BLE001  # the interpreter's own top level: report, exit 1
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    finally:
-        import atexit
-
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        if code < 0:
-            signal.signal(-code, signal.SIG_DFL)
-            os.kill(os.getpid(), -code)
-        os._exit(code)
-
-
-if __name__ == "__main__":
-    # Served by the module under its own name, so a child's ``reprotrain._zygote`` is this
-    # one, where SERVED is set.
-    importlib.import_module("reprotrain._zygote").serve(Path(sys.argv[1]))

@@ -1,7 +1,8 @@
 """The ``reprotrain`` command: the pipeline stages and the tools around them.
 
 Every sub-command is a stage (:mod:`reprotrain.pipeline.stages`) or a command
-(:mod:`reprotrain.commands`), one module each, listed once in :data:`VERBS`.
+(:mod:`reprotrain.commands`), one module each, listed once in :data:`VERB_GROUPS`
+(by what it is for, as ``--help`` lists them; :data:`VERBS` is the same as one list).
 A verb module holds ``PARAMS``, ``add_arguments(parser)`` (its options),
 ``COMMAND`` (a :class:`~reprotrain.pipeline.command.Command`: summary, options,
 whether it reads params.yaml and whether it restarts) and ``run``; it imports
@@ -44,28 +45,41 @@ from reprotrain.pipeline.command import Command, add_param_options
 
 #: The package of the pipeline's stages (the first verbs of VERBS).
 STAGES = "reprotrain.pipeline.stages."
-#: Every verb -> the module that declares and runs it, in the order ``--help`` lists
-#: them: exactly the dvc.yaml stages, then the other commands. ``params`` is the CLI's own.
-VERBS = {
-    "env": "reprotrain.pipeline.stages.env",
-    "prepare": "reprotrain.pipeline.stages.prepare",
-    "train": "reprotrain.pipeline.stages.train",
-    "evaluate": "reprotrain.pipeline.stages.evaluate",
-    "run-id": "reprotrain.commands.run_id",
-    "checklist": "reprotrain.commands.checklist",
-    "verify": "reprotrain.commands.verify",
-    "status": "reprotrain.commands.status",
-    "compare": "reprotrain.commands.compare",
-    "locate": "reprotrain.commands.locate",
-    "opdiff": "reprotrain.commands.opdiff",
-    "run": "reprotrain.commands.run",
-    "noise-floor": "reprotrain.commands.noise_floor",
-    "bench": "reprotrain.commands.bench",
-    "ops": "reprotrain.commands.ops",
-    "reference-note": "reprotrain.commands.reference_note",
-    "attest": "reprotrain.commands.attest",
-    "verify-attestation": "reprotrain.commands.verify_attestation",
+#: Every verb -> the module that declares and runs it, in the groups and the order
+#: ``--help`` lists them: exactly the dvc.yaml stages first, then the other commands by
+#: what they are for. ``params`` is the CLI's own (listed with the stages).
+VERB_GROUPS = {
+    "the pipeline's stages (dvc.yaml runs them) and its params": {
+        "env": "reprotrain.pipeline.stages.env",
+        "prepare": "reprotrain.pipeline.stages.prepare",
+        "train": "reprotrain.pipeline.stages.train",
+        "evaluate": "reprotrain.pipeline.stages.evaluate",
+    },
+    "rerun and compare (the pipeline's runs or any script's)": {
+        "run": "reprotrain.commands.run",
+        "verify": "reprotrain.commands.verify",
+        "compare": "reprotrain.commands.compare",
+        "locate": "reprotrain.commands.locate",
+        "opdiff": "reprotrain.commands.opdiff",
+    },
+    "CI and provenance": {
+        "status": "reprotrain.commands.status",
+        "checklist": "reprotrain.commands.checklist",
+        "run-id": "reprotrain.commands.run_id",
+        "reference-note": "reprotrain.commands.reference_note",
+        "attest": "reprotrain.commands.attest",
+        "verify-attestation": "reprotrain.commands.verify_attestation",
+    },
+    "determinism lab (measured on this machine)": {
+        "noise-floor": "reprotrain.commands.noise_floor",
+        "bench": "reprotrain.commands.bench",
+        "ops": "reprotrain.commands.ops",
+    },
 }
+#: Every verb -> its module: the groups above, as one list.
+VERBS = {verb: module for group in VERB_GROUPS.values() for verb, module in group.items()}
+#: The CLI's own verb, listed with the stages.
+PARAMS_SUMMARY = "print the resolved params, or the defaults"
 
 
 def verb_module(verb: str) -> ModuleType:
@@ -80,19 +94,40 @@ def verb_command(verb: str) -> Command:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command, from each verb module's ``COMMAND``."""
     parser = OneLineParser(
-        prog="reprotrain", description="Bitwise-reproducible Lightning training with DVC."
+        prog="reprotrain",
+        description="Bitwise-reproducible Lightning training with DVC.",
+        epilog=verb_listing(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # The verbs are listed by group in the epilog, one line each, not in argparse's one list.
+    commands = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        help="one of the commands below; `reprotrain COMMAND --help` gives its options",
+    )
     for name in VERBS:
         command = verb_command(name)
-        sub = commands.add_parser(name, help=command.summary, description=command.summary)
+        sub = commands.add_parser(name, description=command.summary)
         if command.takes_params:
             add_param_options(sub)
         command.add_arguments(sub)
-    params = commands.add_parser("params", help="print the resolved params, or the defaults")
+    params = commands.add_parser("params", description=PARAMS_SUMMARY)
     add_param_options(params)
     params.add_argument("--defaults", action="store_true", help="print a default params.yaml")
     return parser
+
+
+def verb_listing() -> str:
+    """Every verb under its group's title, one line each: what ``reprotrain --help`` ends with."""
+    width = max(len(verb) for verb in [*VERBS, "params"]) + 2
+    blocks = []
+    for title, verbs in VERB_GROUPS.items():
+        lines = [f"  {verb:<{width}}{verb_command(verb).summary}" for verb in verbs]
+        if title == next(iter(VERB_GROUPS)):
+            lines.append(f"  {'params':<{width}}{PARAMS_SUMMARY}")
+        blocks.append("\n".join([f"{title}:", *lines]))
+    return "\n\n".join(blocks)
 
 
 def overrides(args: argparse.Namespace) -> list[str]:
@@ -136,8 +171,8 @@ def _bad_input() -> tuple[type[Exception], ...]:
 def _run(args: argparse.Namespace, started: bool) -> int:
     """Run the parsed command; the errors it raises become one line and an exit code."""
     from reprotrain.determinism import DeterminismError
-    from reprotrain.pipeline.config import load_params, render_defaults
     from reprotrain.pipeline.errors import Interrupted
+    from reprotrain.pipeline.params_file import load_params, render_defaults
 
     try:
         if started and args.command != "params" and verb_command(args.command).restarts:
@@ -194,7 +229,7 @@ def _restart_for_determinism(args: argparse.Namespace) -> None:
         refuse_or_warn,
     )
     from reprotrain.hashing import read_safetensors_metadata
-    from reprotrain.pipeline.config import load_params, parse_recorded_params
+    from reprotrain.pipeline.params_file import load_params, parse_recorded_params
 
     if getattr(args, "cmd", None):  # verify -- CMD: its runs start as `run` starts them,
         return None  # never with the CPU profile of a params.yaml that happens to be here

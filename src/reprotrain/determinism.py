@@ -67,10 +67,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from reprotrain.seeding import seed_at_start
+
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from reprotrain.cpuprofile import CpuProfile
+    from reprotrain.cpu.profile import CpuProfile
 
 Mode = bool | Literal["warn"]
 
@@ -186,7 +188,7 @@ def reexec_with_fixed_hash_seed(variables: Mapping[str, str] | None = None) -> N
     Call it before importing torch (the restart repeats everything done so
     far). It also sets ``CUBLAS_WORKSPACE_CONFIG`` for the new process so
     cuBLAS sees it from the first handle on. ``variables`` are others that only
-    work from process start, e.g. a :class:`~reprotrain.cpuprofile.CpuProfile`'s
+    work from process start, e.g. a :class:`~reprotrain.cpu.profile.CpuProfile`'s
     ``variables()``; they replace exported values. Never returns when it restarts.
 
     Raises :class:`DeterminismError` where the program cannot be started again: read
@@ -261,10 +263,10 @@ def configure_determinism(
 
     ``mode`` is ``True`` (fail closed), ``"warn"`` (same flags, problems and
     non-deterministic ops become warnings) or ``False`` (fast: autotuning on).
-    ``cpu_profile`` (:mod:`reprotrain.cpuprofile`) also fixes the CPU kernels and
+    ``cpu_profile`` (:mod:`reprotrain.cpu.profile`) also fixes the CPU kernels and
     threads; its variables must have been exported at process start. None: the profile
     ``reprotrain run --cpu-profile`` started the process under, if it did
-    (:func:`~reprotrain.cpuprofile.launched_profile`).
+    (:func:`~reprotrain.cpu.profile.launched_profile`).
     ``fill_uninitialized_memory``: torch's fill of fresh tensors under deterministic
     algorithms (off by default: :data:`SETTING_REASONS`).
     Raises :class:`DeterminismError` in ``True`` mode when a precondition in
@@ -276,7 +278,7 @@ def configure_determinism(
     hash_ok = hash_seed_fixed_at_start()
     cuda_up = _cuda_initialized()
     if cpu_profile is None:
-        from reprotrain.cpuprofile import launched_profile
+        from reprotrain.cpu.profile import launched_profile
 
         cpu_profile = launched_profile()
     problems: list[str] = cpu_profile.apply() if cpu_profile is not None else []
@@ -315,60 +317,6 @@ def configure_determinism(
         cpu_profile=None if cpu_profile is None else cpu_profile.record(),
         problems=tuple(problems),
     )
-
-
-def seed_at_start(seed: int) -> None:
-    """Seed as Lightning's ``seed_everything(seed, workers=True)`` does, without importing
-    Lightning (about 2 s of a plain script's start): the same generators from the same
-    integer, and ``PL_GLOBAL_SEED`` / ``PL_SEED_WORKERS``, which Lightning's Trainer and
-    worker init function read. tests/test_determinism.py checks it leaves the very states
-    and variables Lightning's function leaves."""
-    import random
-
-    import numpy as np
-    import torch
-
-    seed = int(seed)
-    if not 0 <= seed <= np.iinfo(np.uint32).max:  # numpy's bounds, as Lightning checks
-        raise ValueError(f"seed {seed} is out of bounds: give 0 to {np.iinfo(np.uint32).max}")
-    os.environ["PL_GLOBAL_SEED"] = str(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    os.environ["PL_SEED_WORKERS"] = "1"
-
-
-def seed_all(seed: int) -> None:
-    """Seed python, numpy and torch (CPU and every CUDA device) from one integer, now.
-
-    For re-seeding inside a run (a micro-batch, a replayed step); at process
-    start :func:`configure_determinism` seeds with :func:`seed_at_start`, workers included.
-    """
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    seed_torch(seed)
-
-
-def seed_torch(seed: int) -> None:
-    """Seed torch's CPU generator and, where CUDA is there, every CUDA device's: what
-    ``torch.manual_seed`` does for the devices reprotrain trains on, at a fraction of its
-    cost where CUDA is not started.
-
-    ``torch.manual_seed`` queues the CUDA seed for a later start with a formatted stack
-    trace (``traceback.format_stack``), also on a build or host without CUDA: 1-2 ms a
-    call under Lightning's deep stack, paid per micro-batch and per sample by the
-    world-size-invariant mode. Here a host without CUDA skips that queue; a host with it
-    seeds it as ``torch.manual_seed`` does (at once when started, else queued).
-    """
-    import torch
-
-    torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
 
 
 def explain_nondeterministic_error(

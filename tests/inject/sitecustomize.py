@@ -126,7 +126,7 @@ if os.environ.get("REPROTRAIN_TEST_KILL_AT") is not None:
 if os.environ.get("REPROTRAIN_TEST_CPU") == "no-fma":
     # A CPU with AVX2 but no FMA, as the one reader of the CPU's flags reports it (patched
     # before anything imports it by name).
-    import reprotrain.cpuprofile as cpuprofile
+    import reprotrain.cpu.profile as cpuprofile
 
     real_flags = cpuprofile.host_cpu_flags
 

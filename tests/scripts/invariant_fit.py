@@ -25,12 +25,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from reprotrain.determinism import configure_determinism
 from reprotrain.distributed.ddp import ddp_strategy, worker_start
-from reprotrain.distributed.worldsize import (
-    MicroBatchSampler,
-    WorldSizeInvariantStrategy,
-    sample_rng,
-    step_loss,
-)
+from reprotrain.distributed.microbatches import MicroBatchSampler, sample_rng
+from reprotrain.distributed.worldsize import WorldSizeInvariantStrategy, step_loss
 
 BATCH, MICRO, SEED = 32, 4, 7
 

@@ -18,7 +18,7 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from reprotrain.cpuprofile import CpuProfile
+from reprotrain.cpu.profile import CpuProfile
 from reprotrain.determinism import configure_determinism
 from reprotrain.recipes.digits import Classifier
 from reprotrain.recipes.language_model import TinyGPT

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from reprotrain.cpuprofile import host_cpu_flags, openblas_library
+from reprotrain.cpu.profile import host_cpu_flags
+from reprotrain.cpu.routed import openblas_library
 
 MODEL_SOURCE = Path(__file__).resolve().with_name("haswell_model.c")
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112

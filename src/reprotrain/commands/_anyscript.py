@@ -48,14 +48,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -78,6 +76,8 @@ from reprotrain.commands._runfolders import (
     refuse_links_out,
     refuse_outside_output,
 )
+from reprotrain.commands._runlog import explained_alert, failure_line, interpreter_hint
+from reprotrain.commands._verifytext import verify_text
 from reprotrain.commands.run import (
     command_of,
     launch_environment,
@@ -85,11 +85,6 @@ from reprotrain.commands.run import (
     launch_variables,
 )
 from reprotrain.compare.files import FileVerdict, compare_files, one_sided
-from reprotrain.determinism import (
-    EXPLAINED_PREFIX,
-    NONDETERMINISTIC_ALERT,
-    explain_nondeterministic_error,
-)
 from reprotrain.hashing import canonical_json
 from reprotrain.pipeline.command import DVC_YAML
 from reprotrain.pipeline.errors import DataError
@@ -119,44 +114,8 @@ def _start(
             raise RunFailed(f"{head}: {explained}", log, folder)
         if not text.strip():
             raise RunFailed(f"{head} and printed nothing", log, folder)
-        hint = _interpreter_hint(text, argv[0], env)
+        hint = interpreter_hint(text, argv[0], env)
         raise RunFailed(f"{head} ({failure_line(text)[:200]})", log, folder, hint)
-
-
-def explained_alert(log: str) -> str | None:
-    """A failed run's explanation of torch's no-deterministic-kernel error, or None.
-
-    The line ``configure_determinism``'s hook printed; for a script that set torch's
-    flag itself, the same text made from the traceback (the innermost frame outside
-    installed packages is the caller).
-    """
-    lines = log.splitlines()
-    printed = [line for line in lines if line.startswith(EXPLAINED_PREFIX)]
-    if printed:
-        return printed[-1].removeprefix(EXPLAINED_PREFIX)
-    error = failure_line(log)
-    if NONDETERMINISTIC_ALERT not in error:
-        return None
-    frames = [m.groups() for m in _FRAME.finditer(log)]
-    own = [f"{path}:{line}" for path, line in frames if not _INSTALLED.search(path)]
-    explained = explain_nondeterministic_error(RuntimeError(error.partition(": ")[2] or error),
-                                               own[-1] if own else None)  # fmt: skip
-    return str(explained) if explained else None
-
-
-_FRAME = re.compile(r'^  File "([^"]+)", line (\d+)', re.MULTILINE)
-_INSTALLED = re.compile(r"[/\\](?:site|dist)-packages[/\\]|^<")
-
-
-def _interpreter_hint(log: str, program: str, env: Mapping[str, str]) -> str:
-    """Where a run could not import reprotrain: which interpreter ran, and which has it."""
-    if "No module named 'reprotrain'" not in log:
-        return ""
-    found = shutil.which(program, path=env.get("PATH")) or program
-    return (
-        f"; `{program}` ran as {found}, which has no reprotrain: activate the environment that "
-        f"has it (`source .venv/bin/activate`) or name its interpreter, `-- {sys.executable} ...`"
-    )
 
 
 def _outputs(folders: list[Path], named: list[str]) -> tuple[list[str], set[str]]:
@@ -199,44 +158,6 @@ def _is_trace(path: Path) -> bool:
         return is_trace_file(path)
     except (OSError, ValueError):
         return False
-
-
-#: Hydra's last line after any error; the error is the paragraph above it.
-HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
-
-
-def failure_line(log: str) -> str:
-    """A failed run's error: the last traceback's final line, else a line naming an exception,
-    else (Hydra's own errors: an override it could not apply) Hydra's message above its hint."""
-    lines = [line.rstrip() for line in log.splitlines()]
-    if hint := [i for i, line in enumerate(lines) if line.startswith(HYDRA_HINT)]:
-        lines = lines[: hint[-1]]
-        if hydra := _hydra_message(lines):
-            return hydra
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call")]
-    if starts:
-        after = lines[starts[-1] + 1 :]
-        # the frames are indented; the exception is the first line that is not
-        found = next((line for line in after if line and not line[0].isspace()), None)
-        if found:
-            return found
-    named = next((line for line in lines if _EXCEPTION.search(line)), None)
-    return named or next((line for line in reversed(lines) if line.strip()), "(no output)")
-
-
-def _hydra_message(lines: list[str]) -> str | None:
-    """The paragraph above Hydra's hint, its unindented lines joined; None if it is a traceback
-    (then its last line is the error, as for any run)."""
-    while lines and not lines[-1].strip():
-        lines = lines[:-1]
-    start = max((i + 1 for i, line in enumerate(lines) if not line.strip()), default=0)
-    block = lines[start:]
-    if not block or any(line.startswith("Traceback (most") for line in lines):
-        return None
-    return " ".join(line.strip() for line in block if line and not line[0].isspace())
-
-
-_EXCEPTION = re.compile(r"\b(?:[A-Z]\w*)?(?:Error|Exception)\b")
 
 
 def refuse_pipeline_options(args: argparse.Namespace) -> None:
@@ -327,7 +248,7 @@ def verify_script(args: argparse.Namespace) -> int:
     if args.json:
         print(canonical_json(printable(report)), end="")
     else:
-        print(printable(_text(report, verdicts, workdir if kept else None)))
+        print(printable(verify_text(report, verdicts, workdir if kept else None)))
     if not kept:  # a temporary folder of runs that proved identical: nothing left to look at
         shutil.rmtree(workdir, ignore_errors=True)
     elif verdict == "IDENTICAL":  # what `reprotrain attest --verified` states of these runs
@@ -462,63 +383,3 @@ def _when_ops_match(step: int, source: str, traced: str | None, first: int | Non
         tries.append("add TraceCallback so verify finds the step")
     either = " or ".join(tries) if len(tries) < 3 else f"{', '.join(tries[:-1])}, or {tries[-1]}"
     return f"{known}; a race or unwritten memory may have agreed this time: {either}"
-
-
-def _step_origin(report: dict[str, Any]) -> str:
-    """Where the recorded step came from, when not from the default."""
-    step, first = report["ops_step"], report.get("trace_step")
-    if report["ops_step_from"] == "trace":
-        return " (where the traces first differ)"
-    if report["ops_step_from"] == "--ops-step":
-        apart = f"; the traces first differ at step {first}" if first not in (None, step) else ""
-        return f" (--ops-step {step}{apart})"
-    return ""
-
-
-#: Rows of a file's differences printed before "and N more".
-ROWS = 8
-
-
-def _binary_by_bytes(verdict: FileVerdict) -> bool:
-    """A differing binary file of a kind not read as tensors (a pickle): it may hold some."""
-    return verdict.status == "bytes" and not verdict.detail.startswith("text, ")
-
-
-def _text(report: dict[str, Any], verdicts: list[FileVerdict], workdir: Path | None) -> str:
-    """The verdict, what differs and where the runs are (``workdir`` None: removed)."""
-    verdict = report["verdict"]
-    if verdict == "IDENTICAL":
-        lines = [
-            f"reprotrain verify: IDENTICAL: {report['runs']} runs, {', '.join(report['outputs'])}"
-        ]
-        lines += [f"  {v.summary()}" for v in verdicts if v.detail]
-        if workdir is not None:
-            lines.append(f"  runs kept in {workdir}")
-        return "\n".join(lines)
-    lines = [f"reprotrain verify: {verdict}: {report['command']}"]
-    if verdict == "DIFFERS OUTSIDE TENSORS":
-        lines.append(
-            "  no tensor read differs; these files differ outside tensors, or by their bytes "
-            "where they are not read as tensors (safetensors, torch, NumPy files are):"
-            if any(_binary_by_bytes(v) for v in verdicts)
-            else "  every tensor is equal; these files differ outside tensors:"
-        )
-    for v in verdicts:
-        if v.identical:
-            continue
-        lines.append(f"  {v.summary()}")
-        rows = v.detail_lines()
-        lines += [f"    {row}" for row in rows[:ROWS]]
-        if len(rows) > ROWS:
-            lines.append(f"    ... and {len(rows) - ROWS} more")
-    if same := [v.name for v in verdicts if v.identical]:
-        lines.append(f"  identical: {', '.join(same)}")
-    if "trace" in report:
-        lines += [f"  {line}" for line in report["trace"].splitlines()]
-    if "ops_error" in report:
-        lines.append(f"  {report['ops_error']}")
-    if "ops" in report:
-        lines.append(f"  ops of step {report['ops_step']}{_step_origin(report)}:")
-        lines += [f"    {line}" for line in report["ops"].splitlines()]
-    lines.append(f"  runs kept in {workdir}")
-    return "\n".join(lines)

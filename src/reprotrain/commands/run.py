@@ -3,7 +3,7 @@
 Sets ``PYTHONHASHSEED=0`` (Python's str hashing, so set and dict order),
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS reads it when its first handle is
 made) and, with ``--cpu-profile``, the profile's ATen ISA, MKL and thread
-variables (:mod:`reprotrain.cpuprofile`), then replaces itself with CMD. A
+variables (:mod:`reprotrain.cpu.profile`), then replaces itself with CMD. A
 user script then needs only ``configure_determinism(...)`` and the
 callbacks; :func:`reprotrain.determinism.reexec_with_fixed_hash_seed` stays
 for scripts that restart themselves instead. Exported values of these
@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 
-from reprotrain.cpuprofile import LAUNCHED, CpuProfile
+from reprotrain.cpu.profile import LAUNCHED, CpuProfile
 from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS, FIXED_HASH_SEED
 from reprotrain.pipeline.command import Command
 from reprotrain.pipeline.errors import DataError

@@ -2,7 +2,8 @@
 
 ``weights`` compares state dicts, ``modules`` finds the first module whose
 output or gradient differs, ``files`` gives a verdict per output file of any
-script, ``report`` combines trace, weights, inputs and environment diffs.
+script (each read by its kind through ``readers``), ``report`` combines
+trace, weights, inputs and environment diffs.
 Trace and op-recording diffs live with their formats (``reprotrain.trace.diff``,
 ``reprotrain.ops.align``).
 """

@@ -38,30 +38,27 @@ it holds tensors, else ``bytes``.
 
 from __future__ import annotations
 
-import json
-import pickle
-import re
-import zipfile
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from reprotrain.compare.arrays import is_array_file, pickled_array, read_array_file
-from reprotrain.hashing import METADATA_KEY
+from reprotrain.compare.readers import (
+    NOT_LOADED,
+    READERS,
+    Kind,
+    file_kind,
+    read_errors,
+    unreadable_reason,
+)
 
 if TYPE_CHECKING:  # torch loads only when two files differ (an identical verify stays fast)
     from reprotrain.compare.weights import TensorDiff
 
-__all__ = ["FileVerdict", "compare_files", "file_kind", "one_sided"]
+__all__ = ["FileVerdict", "compare_files", "one_sided"]
 
-Kind = Literal["safetensors", "checkpoint", "arrays", "file"]
 Status = Literal["identical", "tensors", "fields", "bytes", "unreadable"]
 PLACEHOLDER = "{out}"
-CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
 _CHUNK = 1 << 20
-#: What a reader raises for a file that is not what it should be (safetensors' own error
-#: is neither OSError nor ValueError; torch.load raises RuntimeError for a bad zip).
-_TORCH_READ_ERRORS = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError)
 
 
 @dataclass(frozen=True)
@@ -123,27 +120,6 @@ def _tensor_text(diff: TensorDiff, hashes: bool) -> str:
     return diff.to_text()
 
 
-def file_kind(path: Path) -> Kind:
-    """How a file is read: by its safetensors header, its suffix, or a torch.save zip."""
-    if _has_safetensors_header(path):
-        return "safetensors"
-    if path.suffix in CHECKPOINT_SUFFIXES:
-        return "checkpoint"
-    if is_array_file(path):
-        return "arrays"
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as archive:
-            if any(n.endswith("/data.pkl") for n in archive.namelist()):
-                return "checkpoint"
-    return "file"
-
-
-def _has_safetensors_header(path: Path) -> bool:
-    with path.open("rb") as handle:
-        size = int.from_bytes(handle.read(8), "little")
-        return 1 < size <= min(100_000_000, path.stat().st_size - 8) and handle.read(1) == b"{"
-
-
 def compare_files(name: str, a: Path, b: Path, folders: tuple[Path, Path]) -> FileVerdict:
     """The verdict on ``a`` and ``b``, each from its run folder in ``folders``."""
     if _same_bytes(a, b):
@@ -154,15 +130,15 @@ def compare_files(name: str, a: Path, b: Path, folders: tuple[Path, Path]) -> Fi
         return FileVerdict(name, "file", "unreadable", detail=f"{a}: {err.strerror}")
     if kind == "file":
         return _compare_bytes(name, a, b, folders)
-    reader = {
-        "safetensors": _read_safetensors, "checkpoint": _read_checkpoint, "arrays": _read_arrays
-    }[kind]  # fmt: skip
+    reader = READERS[kind]
     loaded = []
     for path, folder in zip((a, b), folders, strict=True):
         try:
             tensors, fields, hashes = reader(path)
-        except _read_errors(kind) as err:
-            return FileVerdict(name, kind, "unreadable", detail=f"{path}: {_reason(err, kind)}")
+        except read_errors(kind) as err:
+            return FileVerdict(
+                name, kind, "unreadable", detail=f"{path}: {unreadable_reason(err, kind)}"
+            )
         unloaded = fields.get(NOT_LOADED, "")
         loaded.append((_placeheld_keys(tensors, folder), _placeheld(fields, folder), hashes))
     from reprotrain.compare.weights import compare_weights
@@ -180,22 +156,6 @@ def compare_files(name: str, a: Path, b: Path, folders: tuple[Path, Path]) -> Fi
     return FileVerdict(name, kind, status, compared, diffs, fields, detail, hashes)
 
 
-def _reason(err: BaseException, kind: Kind) -> str:
-    """The reader's error in one line; torch's refusal by the class it would not load."""
-    text = str(err)
-    if kind == "checkpoint" and (refused := _REFUSED.search(text)):
-        return (
-            f"holds {refused.group(1)}, which torch.load(weights_only=True) refuses (it runs no "
-            "code from a file): save plain types (a Hydra config: OmegaConf.to_container), or "
-            "compare FinalStateCallback's safetensors instead"
-        )
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return (lines or [type(err).__name__])[0][:200]
-
-
-_REFUSED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
-
-
 def one_sided(name: str, present: Path, absent: str) -> FileVerdict:
     """A file one run wrote and ``absent`` did not: its tensors, if any, are missing."""
     kind = _kind_or_file(present)
@@ -210,16 +170,6 @@ def _kind_or_file(path: Path) -> Kind:
         return "file"
 
 
-def _read_errors(kind: Kind) -> tuple[type[BaseException], ...]:
-    if kind == "safetensors":
-        from safetensors import SafetensorError
-
-        return (OSError, ValueError, SafetensorError)
-    if kind == "arrays":  # np.load: a bad header or an object array, a broken archive
-        return (OSError, ValueError, EOFError, zipfile.BadZipFile)
-    return _TORCH_READ_ERRORS
-
-
 def _same_bytes(a: Path, b: Path) -> bool:
     if a.stat().st_size != b.stat().st_size:
         return False
@@ -228,118 +178,6 @@ def _same_bytes(a: Path, b: Path) -> bool:
             if chunk != hb.read(_CHUNK):
                 return False
     return True
-
-
-def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
-    from safetensors import safe_open
-
-    from reprotrain.trace.tracefile import FORMAT
-
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = dict(handle.metadata() or {})
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-    fields = {f"metadata/{key}": value for key, value in metadata.items()}
-    try:
-        ours = json.loads(metadata.get(METADATA_KEY, "{}"))
-    except json.JSONDecodeError:
-        ours = {}
-    return tensors, fields, isinstance(ours, dict) and ours.get("format") == FORMAT
-
-
-def _read_arrays(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
-    """A NumPy file's arrays: tensors, and as fields those torch has no dtype for."""
-    import torch
-
-    tensors: dict[str, Any] = {}
-    fields: dict[str, Any] = {}
-    for name, value in read_array_file(path).items():
-        (tensors if isinstance(value, torch.Tensor) else fields)[name] = value
-    return tensors, fields, False
-
-
-def _read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
-    """Tensors and fields by key path; a file that pickles objects of its own classes is
-    read with those classes as placeholders (:mod:`reprotrain.compare.opaque`), named in
-    the field :data:`NOT_LOADED`."""
-    import torch
-
-    from reprotrain.compare.opaque import Opaque, load_opaque
-
-    unloaded: list[str] = []
-    try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as refused:  # weights_only's refusal of a global
-        try:
-            loaded, unloaded = load_opaque(path)
-        except Exception as err:  # not even placeholders take it: the refusal says why
-            raise refused from err
-    except _TORCH_READ_ERRORS:
-        raise
-    except Exception as err:  # bytes that are no pickle fail the unpickler in any way
-        raise ValueError(f"not a torch file ({type(err).__name__}: {err})") from err
-    tensors: dict[str, Any] = {}
-    fields: dict[str, Any] = {}
-    _flatten(loaded, "", tensors, fields, torch.Tensor, Opaque, {})
-    if unloaded := [name for name in unloaded if name not in _PATH_CLASSES]:  # read as paths
-        fields[NOT_LOADED] = ", ".join(unloaded)
-    return tensors, fields, False
-
-
-#: The field that names the classes a checkpoint pickles and no code was loaded for.
-NOT_LOADED = "(classes not loaded)"
-
-
-def _flatten(
-    value: Any, key: str, tensors: dict, fields: dict, tensor_type: type, opaque: type,
-    seen: dict[int, Any],
-) -> None:  # fmt: skip
-    """Every tensor and every other leaf of nested dicts, lists and placeholders, by key path;
-    an object met again (a parent link) is a field naming where it was first. ``seen`` holds
-    the objects met, not only their ids: a placeholder's contents are made anew at each
-    call, and a freed one's id would be taken by the next, which was never met."""
-    if isinstance(value, tensor_type):
-        tensors[key or "(tensor)"] = value
-        return
-    if (array := pickled_array(value, opaque)) is not None:
-        _flatten(array, key, tensors, fields, tensor_type, opaque, seen)
-        return
-    value = _as_path(value, opaque)
-    if isinstance(value, dict | list | tuple | opaque) and value:
-        if id(value) in seen:
-            fields[key] = "<seen above>"
-            return
-        seen[id(value)] = value
-    if isinstance(value, opaque):
-        value = value.contents()
-    if isinstance(value, dict) and value:
-        for k, v in value.items():
-            k = _as_path(k, opaque)  # a Path key (a placeholder otherwise): keyed by its text
-            _flatten(v, f"{key}/{k}" if key else str(k), tensors, fields, tensor_type, opaque, seen)
-    elif isinstance(value, list | tuple) and value:
-        for i, v in enumerate(value):
-            _flatten(v, f"{key}/{i}" if key else str(i), tensors, fields, tensor_type, opaque, seen)
-    else:
-        fields[key or "(value)"] = value
-
-
-#: pathlib's classes: a pickled path (not in ``weights_only``'s list, so a placeholder whose
-#: arguments are the path's parts) is read back as a pure path, which runs no code.
-_PATH_CLASSES = {
-    **dict.fromkeys(("pathlib.PosixPath", "pathlib.PurePosixPath"), PurePosixPath),
-    **dict.fromkeys(("pathlib.WindowsPath", "pathlib.PureWindowsPath"), PureWindowsPath),
-}
-
-
-def _as_path(value: Any, opaque: type) -> Any:
-    """A placeholder of a pickled path as that path (its parts in one string, where a run's
-    folder is found like in any other); any other value as it is."""
-    if not isinstance(value, opaque) or value.path not in _PATH_CLASSES:
-        return value
-    contents = value.contents()
-    parts = list(contents.get("args", {}).values())
-    if not all(isinstance(part, str) for part in parts) or "state" in contents:
-        return value
-    return _PATH_CLASSES[value.path](*parts)
 
 
 def _folder_spellings(folder: Path) -> list[str]:

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from reprotrain.determinism import seed_all
 from reprotrain.fingerprint import tensor_bytes
+from reprotrain.seeding import seed_all
 
 __all__ = ["LocateResult", "locate_divergence"]
 

@@ -31,10 +31,11 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from reprotrain.ops.recording import Recording
 
-__all__ = ["label_all", "recording_step"]
+__all__ = ["label_all", "label_batch", "recording_step"]
 
 
 class _Dispatch(TorchDispatchMode):
@@ -128,3 +129,8 @@ def label_all(recording: Recording, model: torch.nn.Module, optimizers: Iterable
     recording.label((f"buffer {n}", b) for n, b in model.named_buffers())
     for optimizer in optimizers:
         recording.label(_optimizer_labels(optimizer, params))
+
+
+def label_batch(recording: Recording, batch: Any) -> None:
+    """Name every tensor of ``batch`` as the batch, so an op that reads one says so."""
+    recording.label(("batch", t) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))

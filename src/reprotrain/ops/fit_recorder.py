@@ -14,9 +14,8 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-from reprotrain.ops.capture import label_all, recording_step
-from reprotrain.ops.opfile import recording_dir, recording_path
-from reprotrain.ops.recorder import _label_batch, _window_from_env
+from reprotrain.ops.capture import label_all, label_batch, recording_step
+from reprotrain.ops.opfile import recording_dir, recording_path, window_from_env
 from reprotrain.ops.recording import Recording
 
 
@@ -29,7 +28,7 @@ class OpRecorder(Callback):
     """
 
     def __init__(self, steps: tuple[int, int] | None = None, out: str | Path | None = None):
-        self.window = _window_from_env(steps)
+        self.window = window_from_env(steps)
         self.out = recording_dir(out)
         self.recording: Recording | None = None
         self._step: contextlib.ExitStack | None = None  # the recorded step, while it runs
@@ -44,7 +43,7 @@ class OpRecorder(Callback):
         if self.recording is None:
             self.recording = Recording(pl_module, trainer.global_rank, trainer.world_size)
         label_all(self.recording, pl_module, trainer.optimizers)
-        _label_batch(self.recording, batch)
+        label_batch(self.recording, batch)
         step = contextlib.ExitStack()
         step.enter_context(recording_step(self.recording, trainer.global_step))
         self._step = step

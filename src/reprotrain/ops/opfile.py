@@ -111,6 +111,26 @@ def recording_path(folder: str | Path, rank: int) -> Path:
     return Path(folder) / f"{_PREFIX}{rank}{_SUFFIX}"
 
 
+def parse_window(text: str) -> tuple[int, int]:
+    """``"3"`` -> (3, 3); ``"3-5"`` -> (3, 5). ValueError names the variable on bad text."""
+    first, _, last = text.strip().partition("-")
+    try:
+        window = (int(first), int(last or first))
+    except ValueError:
+        raise ValueError(f"{WINDOW_VARIABLE}={text!r}: give a step or FIRST-LAST") from None
+    if window[0] < 0 or window[1] < window[0]:
+        raise ValueError(f"{WINDOW_VARIABLE}={text!r}: give 0 <= FIRST <= LAST")
+    return window
+
+
+def window_from_env(steps: tuple[int, int] | None) -> tuple[int, int] | None:
+    """``steps`` when given, else the window :data:`WINDOW_VARIABLE` names (None: unset)."""
+    if steps is not None:
+        return steps
+    text = os.environ.get(WINDOW_VARIABLE)
+    return None if not text else parse_window(text)
+
+
 def write_recording(
     path: str | Path,
     tables: dict[str, Sequence[tuple[int, ...]]],

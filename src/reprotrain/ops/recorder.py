@@ -36,16 +36,21 @@ step is slower, every op being fingerprinted and located: see
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
-from reprotrain.ops.capture import label_all, recording_step
-from reprotrain.ops.opfile import DIR_VARIABLE, WINDOW_VARIABLE, recording_dir, recording_path
+from reprotrain.ops.capture import label_all, label_batch, recording_step
+from reprotrain.ops.opfile import (
+    DIR_VARIABLE,
+    WINDOW_VARIABLE,
+    parse_window,
+    recording_dir,
+    recording_path,
+    window_from_env,
+)
 from reprotrain.ops.recording import Recording
 
 if TYPE_CHECKING:  # at run time, __getattr__ below imports it (and Lightning) on first use
@@ -62,29 +67,6 @@ def __getattr__(name: str) -> Any:
 
         return OpRecorder
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def parse_window(text: str) -> tuple[int, int]:
-    """``"3"`` -> (3, 3); ``"3-5"`` -> (3, 5). ValueError names the variable on bad text."""
-    first, _, last = text.strip().partition("-")
-    try:
-        window = (int(first), int(last or first))
-    except ValueError:
-        raise ValueError(f"{WINDOW_VARIABLE}={text!r}: give a step or FIRST-LAST") from None
-    if window[0] < 0 or window[1] < window[0]:
-        raise ValueError(f"{WINDOW_VARIABLE}={text!r}: give 0 <= FIRST <= LAST")
-    return window
-
-
-def _window_from_env(steps: tuple[int, int] | None) -> tuple[int, int] | None:
-    if steps is not None:
-        return steps
-    text = os.environ.get(WINDOW_VARIABLE)
-    return None if not text else parse_window(text)
-
-
-def _label_batch(recording: Recording, batch: Any) -> None:
-    recording.label(("batch", t) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
 
 
 #: A plain loop's recording between the steps of its window ("recording" -> it).
@@ -106,7 +88,7 @@ def record_step(
     outside the window this is a null context. The file is written after the last step;
     a step that raises ends the window unwritten, with nothing left installed.
     """
-    window = _window_from_env(steps)
+    window = window_from_env(steps)
     if window is None or not window[0] <= step <= window[1]:
         yield
         return
@@ -115,7 +97,7 @@ def record_step(
         recording = _unfinished["recording"] = Recording(model)
     label_all(recording, model, [optimizer] if optimizer is not None else [])
     if batch is not None:
-        _label_batch(recording, batch)
+        label_batch(recording, batch)
     try:
         with recording_step(recording, step):
             yield

@@ -27,7 +27,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from reprotrain.pipeline.config import ConfigError, Params, check_invariant_layout
+from reprotrain.pipeline.config import ConfigError, Params
 from reprotrain.pipeline.data import map_style
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.own_loaders import (
@@ -38,6 +38,7 @@ from reprotrain.pipeline.own_loaders import (
     order_problem,
     own_loader,
 )
+from reprotrain.pipeline.params_file import check_invariant_layout
 from reprotrain.pipeline.recipe import Recipe, ResolvedComponent, linked_arguments
 
 #: The splits; for each, a data module defines ``<split>_dataloader`` or ``<split>_dataset``.
@@ -226,13 +227,13 @@ def _named_paths(component: ResolvedComponent) -> set[Path]:
 def check_code_tracked(
     recipe: Recipe, deps: list[Path], dvc_yaml: Path, stage: str = "train"
 ) -> None:
-    """Refuse a recipe whose code (:func:`~reprotrain.pipeline.recipe.code_files`: the
+    """Refuse a recipe whose code (:func:`~reprotrain.pipeline.recipe_code.code_files`: the
     classes' package, their ``code:`` entries) is not under a dep of ``stage``: the run ID
     hashes it, but DVC would not rerun the stage when it changes, and its outputs would
     stay the old code's, silently. reprotrain's own classes are the stages' code."""
     import dataclasses
 
-    from reprotrain.pipeline.recipe import code_files
+    from reprotrain.pipeline.recipe_code import code_files
 
     root = Path.cwd().resolve()
     for component in recipe.components:

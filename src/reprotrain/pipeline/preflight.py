@@ -13,7 +13,7 @@ a bad file and its one line), the estimates after (:func:`preflight`).
 
 What it checks, each failure one line naming the key or file and what to do:
 the whole of params.yaml (types, ranges, cross-field rules, via
-:func:`reprotrain.pipeline.config.load_params`; the model and data module it
+:func:`reprotrain.pipeline.params_file.load_params`; the model and data module it
 names, imported, type-checked and held to the contract, via
 :mod:`reprotrain.pipeline.recipe` and :mod:`reprotrain.pipeline.contract`,
 which the env stage runs first); with a ``prepare`` section, the raw data

@@ -81,7 +81,7 @@ def save_prepared(
     if samples_per_shard is None:
         atomic_write_safetensors(path, data.tensors, safetensors_metadata(meta))
         return
-    from reprotrain.data.shards import write_shards
+    from reprotrain.data.shard_writer import write_shards
 
     splits = {s: {"x": x.numpy(), "y": y.numpy()} for s in SPLITS for x, y in [data.split(s)]}
     write_shards(path, splits, samples_per_shard, meta)

@@ -111,7 +111,7 @@ class LoaderStateRestored(L.Callback):
     set the loader up.
 
     Lightning 2.6 applies a checkpoint's loader state (a
-    :class:`~reprotrain.pipeline.data.ResumableLoader`'s epoch generator and consumed
+    :class:`~reprotrain.pipeline.resumable_loader.ResumableLoader`'s epoch generator and consumed
     batches) when ``FitLoop.setup_data`` sets the loader up, then makes the epoch's
     iterator. A module whose ``configure_optimizers`` reads
     ``self.trainer.estimated_stepping_batches`` (Lightning's documented way to size

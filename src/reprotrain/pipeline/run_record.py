@@ -91,7 +91,7 @@ def run_inputs(
     distributed: Mapping[str, Any],
 ) -> dict[str, Any]:
     """Everything that decides the stage's bits; refuses data DVC recorded differently."""
-    from reprotrain.pipeline.recipe import code_files  # jsonargparse: only when a stage runs
+    from reprotrain.pipeline.recipe_code import code_files  # jsonargparse: only when a stage runs
 
     package = Path(reprotrain.__file__).parent.resolve()
     recipe_files = [f.resolve() for c in recipe.components for f in code_files(c)]
@@ -118,7 +118,7 @@ def recipe_record(recipe: Recipe, params: Params) -> dict[str, Any]:
     """The recipe as the run ID sees it.
 
     Under ``train.world_size_invariant`` every random draw of the data is keyed by
-    the sample (:class:`~reprotrain.distributed.worldsize.MicroBatchSampler`), so the
+    the sample (:class:`~reprotrain.distributed.microbatches.MicroBatchSampler`), so the
     data module's ``num_workers`` cannot change the bits: it is left out, and a run
     resumes with another worker count. Otherwise each worker draws from its own
     seeded stream and the count stays in.

@@ -54,22 +54,14 @@ from reprotrain.distributed.ddp import RankAgreement, ddp_strategy
 from reprotrain.distributed.worldsize import WorldSizeInvariantStrategy
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.contract import check_datasets, order_refusal
-from reprotrain.pipeline.curves import (
-    CurveCheckpoint,
-    EpochAccumulators,
-    MemoryLogger,
-    MetricLevels,
-    TrainLossLogger,
-)
-from reprotrain.pipeline.data import (
-    PipelineLoaders,
-    stop_loader_workers,
-    stop_loader_workers_at_exit,
-)
+from reprotrain.pipeline.curves import CurveCheckpoint, MemoryLogger, MetricLevels, TrainLossLogger
+from reprotrain.pipeline.data import PipelineLoaders
+from reprotrain.pipeline.epoch_metrics import EpochAccumulators
 from reprotrain.pipeline.errors import DataError, Interrupted
 from reprotrain.pipeline.own_loaders import OwnLoader
 from reprotrain.pipeline.preflight import check_accelerator
 from reprotrain.pipeline.recipe import Recipe, build, hooks_skipped
+from reprotrain.pipeline.resumable_loader import stop_loader_workers, stop_loader_workers_at_exit
 from reprotrain.pipeline.resume_point import WORKERS_KEY, Checkpointing, LoaderStateRestored
 from reprotrain.resume import (
     InterruptCheckpoint,

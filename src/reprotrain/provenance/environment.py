@@ -3,7 +3,7 @@
 DVC hashes data, code and params but not the machine. :func:`capture_environment`
 records what does decide a run's floating-point results: Python; torch and the
 CUDA, cuDNN, cuBLAS and NCCL builds it runs on; GPU models, compute capability
-and driver; the CPU profile and its pins (:mod:`reprotrain.cpuprofile`), or
+and driver; the CPU profile and its pins (:mod:`reprotrain.cpu.profile`), or
 under ``native`` the CPU model and the instruction-set features ATen's kernels
 dispatch on; the variables that fix thread counts and determinism; the OS;
 the lock file's sha256 and whether the installed packages match it
@@ -41,7 +41,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from reprotrain.cpuprofile import NEUTRALISED, CpuProfile, host_cpu_flags
+from reprotrain.cpu.profile import NEUTRALISED, CpuProfile, host_cpu_flags
 from reprotrain.hashing import canonical_json, sha256_file
 
 #: CPU flags that change which SIMD kernels ATen and oneDNN pick.
@@ -111,7 +111,7 @@ def capture_environment(
     """The environment record; ``lock`` is the requirements lock this install should match.
 
     Everything but the ``host`` section decides the bits (:func:`bit_deciding`
-    returns it). Under a ``portable`` :class:`~reprotrain.cpuprofile.CpuProfile`
+    returns it). Under a ``portable`` :class:`~reprotrain.cpu.profile.CpuProfile`
     the CPU's vendor, model and flags are only informational: the profile's pins
     and routed kernels decide the bits instead, on any x86-64 CPU with AVX2 and FMA
     (an Intel Xeon, an AMD EPYC Zen 3 and a Zen 5 trained both recipes to the same

@@ -15,7 +15,7 @@ in the weights. Its input shape and class count come from the data
 or a shard folder (:mod:`reprotrain.pipeline.data`), and gives its splits as datasets;
 the pipeline builds the loaders. The training images are shifted by up to
 one pixel: with the sampler's per-sample key (world-size-invariant mode)
-the shift is drawn from that key (:func:`~reprotrain.distributed.worldsize.sample_integers`),
+the shift is drawn from that key (:func:`~reprotrain.distributed.microbatches.sample_integers`),
 otherwise from numpy's global generator in the seeded worker processes.
 """
 
@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from reprotrain.distributed.worldsize import sample_integers
+from reprotrain.distributed.microbatches import sample_integers
 from reprotrain.pipeline.prepared import load_prepared
 
 #: A dropout probability: >= 0 and < 1.

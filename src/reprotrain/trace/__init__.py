@@ -2,6 +2,6 @@
 
 ``callback`` (:class:`~reprotrain.trace.callback.TraceCallback`, Lightning)
 writes the file; ``tracefile`` reads it without Lightning; ``rows``,
-``rngstate`` and ``finalstate`` are the parts of a row; ``diff`` finds the
-first step and record where two traces part.
+``batchcolumn``, ``rngstate`` and ``finalstate`` are the parts of a row;
+``diff`` finds the first step and record where two traces part.
 """

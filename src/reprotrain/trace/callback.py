@@ -87,23 +87,14 @@ from torch.optim import Optimizer
 from reprotrain.atomic import atomic_write_safetensors
 from reprotrain.distributed.ddp import gather_from_ranks, own_entry
 from reprotrain.distributed.worldsize import WorldSizeInvariantStrategy
-from reprotrain.fingerprint import (
-    bytes_fingerprints,
-    fingerprints,
-    host_bytes,
-    host_fingerprints,
-    row_fingerprints,
-    tensor_bytes,
-)
+from reprotrain.fingerprint import bytes_fingerprints, fingerprints, host_fingerprints
 from reprotrain.hashing import safetensors_metadata
-from reprotrain.tensorparts import is_dense, shape_of
+from reprotrain.trace.batchcolumn import BatchColumn
 from reprotrain.trace.finalstate import FINAL_PARTS, final_fingerprints, final_state
 from reprotrain.trace.rngstate import RngDigests, capture_rng, rng_states
 from reprotrain.trace.rows import (
-    DeviceBatch,
     KeptBatch,
     Mixer,
-    batch_leaves,
     chain,
     chain_losses,
     float64_bits,
@@ -117,12 +108,8 @@ __all__ = ["DEFAULT_WEIGHTS_EVERY", "TraceCallback"]
 #: ``weights_every`` for ``detail="default"``: a 10M MLP's CPU step pays about 4% for weights.
 DEFAULT_WEIGHTS_EVERY = 32
 _HOST_COLUMNS = ("step", "epoch", "batch_idx", "weights_traced", "rng")
-#: A CPU batch up to this size is kept as bytes and fingerprinted with up to _KEEP_ROWS others.
-_KEEP_BYTES, _KEEP_ROWS = 64 * 1024, 64
-#: A device batch up to this size is copied and fingerprinted at the flush, with the others.
-_KEEP_DEVICE_BYTES = 1024 * 1024
-#: At a flush, kept device batches are fingerprinted this many bytes of them at a time.
-_FLUSH_BYTES = 16 * 1024 * 1024
+#: Host rows whose RNG states (and kept CPU batches) are hashed together, at most.
+_KEEP_ROWS = 64
 
 
 class TraceCallback(Callback):
@@ -163,7 +150,7 @@ class TraceCallback(Callback):
         # On CPU the rows are Python ints until a flush: no torch kernel per row for them.
         self._on_cpu = self._device.type == "cpu"
         self._mix = Mixer([tensor_key(n, p.dtype, tuple(p.shape)) for n, p in named], self._device)
-        self._batch_mixers: dict[tuple[object, ...], tuple[Mixer, str]] = {}
+        self._batches = BatchColumn(self._device)
         self._rng_sources = tuple(rng_states())
         self._rng_digests = RngDigests(self._rng_sources if self.detail == "full" else ())
         width = 2 + (2 * len(named) if self.detail == "full" else 0)
@@ -240,57 +227,12 @@ class TraceCallback(Callback):
             self._traced = last and trainer.global_step % self.weights_every == 0
         else:
             self._traced = len(self._host) % self.weights_every == 0
-        self._batch_fp = self._fingerprint_batch(batch)
+        self._batch_fp = self._batches.fingerprint(batch)
         row = [trainer.global_step, trainer.current_epoch, batch_idx, int(self._traced)]
         previous = self._unhashed[-1][4] if self._unhashed else None
         row.append(capture_rng(previous))  # hashed with the rows around it (_finish_rows)
         self._host.append(row)
         self._unhashed.append(row)
-
-    def _fingerprint_batch(self, batch: Any) -> torch.Tensor | int | KeptBatch | DeviceBatch:
-        """The batch column, or a copy of a small batch's bits to fingerprint later."""
-        leaves = batch_leaves(batch)
-        if not all(is_dense(t) for _, t in leaves):
-            return self._fingerprint_parts_batch(leaves)
-        signature = tuple((p, t.dtype, t.shape, t.device) for p, t in leaves)
-        mix, how = self._batch_mixers.get(signature) or self._batch_mixer(signature)
-        tensors = [t for _, t in leaves]
-        if how == "keep":
-            return KeptBatch(mix, [host_bytes(t) for t in tensors])
-        if how == "copy":
-            return DeviceBatch(signature, torch.cat([tensor_bytes(t) for t in tensors]))
-        if self._on_cpu:
-            return mix.host(host_fingerprints(tensors))
-        return mix(fingerprints(tensors, self._device))
-
-    def _fingerprint_parts_batch(self, leaves: list[tuple[str, torch.Tensor]]) -> Any:
-        """The batch column of a batch holding a sparse, quantized or nested tensor: at once,
-        from its parts (:func:`~reprotrain.fingerprint.tensor_bytes`)."""
-        mix = Mixer([tensor_key(p, t.dtype, shape_of(t)) for p, t in leaves], self._device)
-        tensors = [t for _, t in leaves]
-        if self._on_cpu:
-            return mix.host(host_fingerprints(tensors))
-        return mix(fingerprints(tensors, self._device))
-
-    def _batch_mixer(self, signature: tuple[Any, ...]) -> tuple[Mixer, str]:
-        """The mixer of a batch layout, and when such batches are fingerprinted.
-
-        ``keep`` (small, on CPU, traced on CPU): bits copied to the host, for later;
-        ``copy`` (small, on the trace's device): bits copied there, for the flush;
-        ``now``: at once.
-        """
-        mix = Mixer(
-            [tensor_key(p, dtype, tuple(shape)) for p, dtype, shape, _ in signature], self._device
-        )
-        size = sum(shape.numel() * dtype.itemsize for _, dtype, shape, _ in signature)
-        if self._on_cpu and all(d.type == "cpu" for *_, d in signature) and size <= _KEEP_BYTES:
-            how = "keep"
-        elif not self._on_cpu and all(d == self._device for *_, d in signature):
-            how = "copy" if size <= _KEEP_DEVICE_BYTES else "now"
-        else:
-            how = "now"
-        self._batch_mixers[signature] = (mix, how)
-        return self._batch_mixers[signature]
 
     def on_before_backward(
         self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor
@@ -381,32 +323,13 @@ class TraceCallback(Callback):
 
     def _device_rows(self, pending: list[Any]) -> torch.Tensor:
         """The kept device rows as one ``rows x width`` int64 tensor, built together."""
-        batches = self._batch_column([batch for batch, *_ in pending])
+        batches = self._batches.device_column([batch for batch, *_ in pending])
         losses = torch.stack([loss for _, loss, *_ in pending]).view(torch.int64)
         weights = torch.stack([self._untraced if w is None else w for _, _, w, _ in pending])
         columns = [batches[:, None], losses[:, None], weights]
         if self._manual:
             columns.append(torch.stack([backward for *_, backward in pending])[:, None])
         return torch.cat(columns, dim=1)
-
-    def _batch_column(self, values: list[Any]) -> torch.Tensor:
-        """Each row's batch fingerprint: kept batches of one layout fingerprinted together."""
-        column = list(values)
-        layouts: dict[tuple[Any, ...], list[int]] = {}
-        for index, value in enumerate(values):
-            if isinstance(value, DeviceBatch):
-                layouts.setdefault(value.layout, []).append(index)
-        for layout, indices in layouts.items():
-            mix = self._batch_mixers[layout][0]
-            sizes = [shape.numel() * dtype.itemsize for _, dtype, shape, _ in layout]
-            rows = max(1, _FLUSH_BYTES // max(1, sum(sizes)))
-            for start in range(0, len(indices), rows):
-                chunk = indices[start : start + rows]
-                data = torch.stack([values[i].data for i in chunk])
-                mixed = mix.rows(row_fingerprints(data, sizes))
-                for index, value in zip(chunk, mixed.unbind(), strict=True):
-                    column[index] = value
-        return torch.stack(column)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._final = final_fingerprints(final_state(pl_module, trainer.optimizers))

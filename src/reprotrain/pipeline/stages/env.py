@@ -45,8 +45,9 @@ from reprotrain.pipeline.command import (
     Command,
     stage_arguments,
 )
-from reprotrain.pipeline.config import Params, load_params
+from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.params_file import load_params
 from reprotrain.provenance.environment import (
     HOST_KEY,
     bit_deciding,

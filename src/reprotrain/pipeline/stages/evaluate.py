@@ -17,7 +17,7 @@ in it, an ``IterableDataset`` the loader does not batch), ``test_samples`` is
 left out and the stage's line says why. Identical weights give identical
 metric bytes. Under ``dvc repro`` a failed evaluate puts the earlier
 ``metrics.json`` back (:mod:`reprotrain.pipeline.kept`). It runs under the CPU
-profile the weights were trained with (:mod:`reprotrain.cpuprofile`), whose
+profile the weights were trained with (:mod:`reprotrain.cpu.profile`), whose
 variables the CLI exported at start from the weights file. With ``--dvc-lock`` each
 ``--data`` file and the weights are first checked against the md5 DVC
 recorded: a corrupted or tampered file is refused before it is read.
@@ -35,8 +35,9 @@ from reprotrain.atomic import atomic_write_text
 from reprotrain.determinism import DeterminismError
 from reprotrain.hashing import canonical_json, load_safetensors
 from reprotrain.pipeline.command import Command, add_data_files, add_paths
-from reprotrain.pipeline.config import Params, parse_recorded_params
+from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.errors import DataError
+from reprotrain.pipeline.params_file import parse_recorded_params
 from reprotrain.provenance.dvcchecksum import verify_dvc_checksum
 
 if TYPE_CHECKING:  # torch loads when the stage runs, not when the CLI reads its options
@@ -76,7 +77,6 @@ def _evaluate(args: argparse.Namespace) -> str:
     import lightning as L
     import torch
 
-    from reprotrain.determinism import seed_at_start
     from reprotrain.pipeline.contract import check_scoring
     from reprotrain.pipeline.data import PipelineLoaders
     from reprotrain.pipeline.recipe import (
@@ -86,6 +86,7 @@ def _evaluate(args: argparse.Namespace) -> str:
         set_up_model,
     )
     from reprotrain.pipeline.training import quiet_lightning
+    from reprotrain.seeding import seed_at_start
 
     if args.dvc_lock:
         for path in (*args.data, args.model):

@@ -185,7 +185,7 @@ def stage_inputs(
 
     The code hash covers this module and every ``reprotrain`` module it imports,
     those imported inside its functions too (:mod:`reprotrain.pipeline.training`),
-    and the recipe's code (:func:`reprotrain.pipeline.recipe.code_files`).
+    and the recipe's code (:func:`reprotrain.pipeline.recipe_code.code_files`).
     """
     from reprotrain.distributed.ddp import set_threads_per_rank
 

@@ -2,13 +2,13 @@
 
 Under ``cpu.profile: portable`` a training step's kernels must give the same
 bits on any x86-64 CPU with AVX2 and FMA, whatever its vendor, model, caches or
-core count. ATen's own kernels do at the pinned ISA level (``cpuprofile``);
+core count. ATen's own kernels do at the pinned ISA level (``cpu.profile``);
 three families of kernels that torch hands to MKL do not, and :func:`enable`
 replaces them on the CPU dispatch key through ``torch.library``:
 
 * **Matrix products** (``mm``, ``addmm``, ``bmm``, ``baddbmm``,
-  :mod:`reprotrain.portable_gemm`) and 2-D convolutions (``convolution`` and
-  its backward, im2col around the same GEMM: :mod:`reprotrain.portable_conv`):
+  :mod:`reprotrain.cpu.gemm`) and 2-D convolutions (``convolution`` and
+  its backward, im2col around the same GEMM: :mod:`reprotrain.cpu.conv`):
   one OpenBLAS build from the lock with its Haswell kernels forced, in fixed
   blocks of output rows, so the bits follow neither the host's cores nor
   ``cpu.threads``. MKL's ``COMPATIBLE`` branch gave one set of bits on both
@@ -30,7 +30,7 @@ grouped, transposed), go to torch's own CPU kernel, captured before the
 override. What is not routed (``mv``/``addmv``, linear algebra, MKL's other VML
 functions) is listed in docs/cpu-profile.md; a training step that reaches
 MKL's BLAS shows up in ``MKL_VERBOSE``, one that reaches VML by the op's name
-(:data:`~reprotrain.cpuprofile.MKL_VML_OPS`; tests/test_portable_kernels.py).
+(:data:`~reprotrain.cpu.routed.MKL_VML_OPS`; tests/test_portable_kernels.py).
 """
 
 from __future__ import annotations
@@ -43,10 +43,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from reprotrain import portable_conv
-from reprotrain.cpuprofile import ROUTED
-from reprotrain.portable_conv import _convolution, _convolution_backward
-from reprotrain.portable_gemm import (
+from reprotrain.cpu import conv
+from reprotrain.cpu.conv import _convolution, _convolution_backward
+from reprotrain.cpu.gemm import (
     FLOATS,
     KernelsUnavailable,
     _addmm,
@@ -58,6 +57,7 @@ from reprotrain.portable_gemm import (
     _torchs,
     _torchs_kernel,
 )
+from reprotrain.cpu.routed import ROUTED
 
 __all__ = ["KernelsUnavailable", "disable", "enable"]
 
@@ -173,4 +173,4 @@ def disable() -> None:
     if _state["library"] is not None:
         _state["library"]._destroy()
         _state["library"] = None
-    portable_conv.forget()
+    conv.forget()

@@ -21,7 +21,7 @@ on which x86-64 CPU runs the job:
       ATen's im2col + GEMM. oneDNN's JIT kernels choose their blocking from
       the ISA and the cache sizes it detects, which no variable pins; with it off,
       ``ONEDNN_MAX_CPU_ISA`` no longer changes the bits (tested).
-    * The project's kernels (:mod:`reprotrain.portable_kernels`): matrix products
+    * The project's kernels (:mod:`reprotrain.cpu.kernels`): matrix products
       and the convolution's GEMM on one pinned OpenBLAS build at its Haswell
       level (``OPENBLAS_CORETYPE``) in fixed blocks, and dropout's mask on ATen's
       generator on every vendor (torch draws it with MKL on Intel CPUs only). So
@@ -49,69 +49,25 @@ what is not in force.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from reprotrain.cpu.routed import OPENBLAS_VARIABLES, ROUTED, ROW_BLOCK, openblas_version
 
 PROFILES = ("portable", "native")
 #: ATen's level under ``portable``, and the CPU flags it needs.
 PORTABLE_ATEN_LEVEL = "avx2"
 PORTABLE_REQUIRES = ("avx2", "fma")
 PORTABLE_MKL_BRANCH = "COMPATIBLE,STRICT"
-#: What the pinned OpenBLAS reads when it loads: its Haswell kernels, one thread per call.
-OPENBLAS_VARIABLES = {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "1"}
-#: The aten overloads ``portable`` routes to its own kernels (reprotrain.portable_kernels).
-ROUTED = (
-    *("mm", "addmm", "bmm", "baddbmm"),
-    *("convolution", "convolution_backward"),
-    "bernoulli_.float",
-    *("sqrt", "sqrt_", "sqrt.out"),
-)
-#: The aten ops that ATen hands to MKL's vector math (VML) for float tensors (ATen's
-#: ``cpu/vml.h``), each with its in-place and out= overloads: MKL's results differ by CPU
-#: vendor (``sqrt`` in Adam's update split the two vendors: docs/cpu-profile.md), so a
-#: portable step may call one only where it is routed (tests/test_portable_kernels.py).
-_VML_FUNCTIONS = "acos asin atan cos erf erfc erfinv exp log log10 log2 sin sqrt tan tanh trunc"
-MKL_VML_OPS = tuple(
-    f"{op}{overload}" for op in _VML_FUNCTIONS.split() for overload in ("", "_", ".out")
-)
-#: Output rows per pinned GEMM call: a constant, so the blocks do not follow the thread count.
-ROW_BLOCK = 128
+#: Where Linux lists the CPU's instruction-set flags.
+CPUINFO = Path("/proc/cpuinfo")
 
 
-def openblas_version() -> str:
-    """The installed scipy-openblas32 (the pinned OpenBLAS), or ``missing``."""
-    try:
-        return metadata.version("scipy-openblas32")
-    except metadata.PackageNotFoundError:
-        return "missing"
-
-
-def openblas_library() -> Path:
-    """The pinned OpenBLAS's shared library, found without importing ``scipy_openblas32``
-    (its ``__init__`` loads the library, before the caller sets :data:`OPENBLAS_VARIABLES`).
-
-    Raises FileNotFoundError saying what to reinstall when it is missing.
-    """
-    spec = importlib.util.find_spec("scipy_openblas32")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "scipy-openblas32 is not installed: the portable CPU profile needs the OpenBLAS "
-            "build from the lock; run `make venv` (or pip install -r requirements-cpu.lock)"
-        )
-    folder = Path(spec.submodule_search_locations[0]) / "lib"
-    paths = sorted(folder.glob("libscipy_openblas*.so*"))
-    if not paths:
-        raise FileNotFoundError(f"no libscipy_openblas*.so in {folder}: reinstall the lock")
-    return paths[0]
-
-
-def host_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+def host_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     """The instruction-set flags this CPU reports (``/proc/cpuinfo``); none where unreadable.
 
     The one reader of the flags: the environment record and the profile's check take
@@ -249,7 +205,7 @@ class CpuProfile:
         """
         import torch
 
-        from reprotrain import portable_kernels
+        from reprotrain.cpu import kernels
 
         start = "it must be set when the process starts (reexec_with_fixed_hash_seed)"
         problems = [
@@ -264,14 +220,14 @@ class CpuProfile:
         torch.backends.mkldnn.enabled = not self.portable
         torch.set_num_threads(self.aten_threads)
         if unsupported := self.unsupported_here():
-            portable_kernels.disable()  # the pinned OpenBLAS would die of SIGILL here
+            kernels.disable()  # the pinned OpenBLAS would die of SIGILL here
             problems.append(unsupported)
         elif not self.portable:
-            portable_kernels.disable()
+            kernels.disable()
         else:
             try:
-                portable_kernels.enable(self.threads)
-            except portable_kernels.KernelsUnavailable as err:
+                kernels.enable(self.threads)
+            except kernels.KernelsUnavailable as err:
                 problems.append(f"the {self.describe()} cannot route its kernels: {err}")
         if torch.get_num_interop_threads() != 1:
             try:

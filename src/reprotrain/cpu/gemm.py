@@ -1,18 +1,18 @@
 """The portable profile's matrix products: one pinned OpenBLAS, in blocks the project fixes.
 
 ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` (and the convolutions' GEMMs,
-:mod:`reprotrain.portable_conv`) call one OpenBLAS build from the lock
+:mod:`reprotrain.cpu.conv`) call one OpenBLAS build from the lock
 (``scipy-openblas32``, pinned exactly) with its Haswell kernels forced
 (``OPENBLAS_CORETYPE=Haswell``: AVX2 + FMA, fixed blocking) and one OpenBLAS
 thread. The product is cut into fixed blocks of
-:data:`~reprotrain.cpuprofile.ROW_BLOCK` output rows (one block per matrix of a
+:data:`~reprotrain.cpu.routed.ROW_BLOCK` output rows (one block per matrix of a
 batch at least), each computed by one call in one thread; ``threads`` Python
 threads share the blocks. So the bits follow neither the host's cores nor
 ``cpu.threads``: OpenBLAS's own threading splits K-sums by thread count and
 silently caps the count at the host's cores (measured,
 ``../shared/reference/cross-vendor``). The bits do follow each call's shape
 (another row block, even another order of the columns, gives other bits), so
-callers keep their operands' layout. :mod:`reprotrain.portable_kernels`
+callers keep their operands' layout. :mod:`reprotrain.cpu.kernels`
 registers these kernels; other dtypes than float32 and float64 go to torch's
 own CPU kernel, captured before the override (:data:`_torchs`).
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from reprotrain.cpuprofile import OPENBLAS_VARIABLES, ROW_BLOCK, openblas_library
+from reprotrain.cpu.routed import OPENBLAS_VARIABLES, ROW_BLOCK, openblas_library
 
 #: The OpenBLAS core type whose kernels every host runs (needs AVX2 and FMA).
 CORETYPE = OPENBLAS_VARIABLES["OPENBLAS_CORETYPE"]

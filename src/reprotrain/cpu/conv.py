@@ -2,7 +2,7 @@
 
 ``convolution`` and its backward (2-D, not transposed, one group, float32 or
 float64) as im2col (one strided copy), the pinned GEMM of
-:mod:`reprotrain.portable_gemm`, and col2im (one add per kernel offset: the
+:mod:`reprotrain.cpu.gemm`, and col2im (one add per kernel offset: the
 same rounding on every CPU). ATen's own slow path calls MKL per sample, through
 a kernel stub no library can replace. Other convolutions go to torch's own
 kernel.
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from reprotrain.portable_gemm import _mm, _pinned, _product, _torchs_kernel
+from reprotrain.cpu.gemm import _mm, _pinned, _product, _torchs_kernel
 
 #: Each thread's reused buffers (:func:`_workspace`) and kept columns (:func:`_forward_columns`).
 _buffers = threading.local()
