@@ -219,9 +219,8 @@ def test_a_module_missing_from_the_architecture_map_is_caught(tmp_path: Path) ->
 
 README_MAX_WORDS = 1000
 SUMMARY_MAX_LINES = 5
-#: Pages another change owns for now: docs/architecture.md is being restructured with the
-#: package (its summary comes with that change).
-SUMMARY_EXEMPT = {"architecture.md"}
+#: Pages that need not lead with a summary (none).
+SUMMARY_EXEMPT: set[str] = set()
 BENCH = DOCS / "cpu" / "bench.json"
 #: A commit hash (7 to 40 hex digits, with a letter and a digit) or a host speed in
 #: microseconds: run logs that belong in docs/lab.md, not in the README.
