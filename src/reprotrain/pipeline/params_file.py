@@ -20,7 +20,14 @@ from typing import Any
 
 import yaml
 
-from reprotrain.pipeline.config import COMPONENT_HELP, Component, ConfigError, Params, TrainConfig
+from reprotrain.pipeline.config import (
+    COMPONENT_HELP,
+    Component,
+    ConfigError,
+    CpuConfig,
+    Params,
+    TrainConfig,
+)
 from reprotrain.pipeline.errors import yaml_line
 
 #: Where every key, its rule and its default are listed (quoted in error messages).
@@ -49,10 +56,10 @@ def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
 def parse_recorded_params(raw: Mapping[str, Any], source: str) -> Params:
     """Params as a model file's metadata records them: under ``cpu.profile: portable``
     without ``cpu.threads``, which decided the speed alone (so any count writes the same
-    bytes); read back as one thread."""
+    bytes); read back as the default count."""
     cpu = raw.get("cpu")
     if isinstance(cpu, Mapping) and "threads" not in cpu:
-        raw = {**raw, "cpu": {**cpu, "threads": 1}}
+        raw = {**raw, "cpu": {**cpu, "threads": CpuConfig().threads}}
     return parse_params(raw, source)
 
 
