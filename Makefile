@@ -50,9 +50,10 @@ $(STAMP): $(LOCK) pyproject.toml
 
 venv: $(STAMP) ## Create .venv from the lock (only what is missing or stale)
 
-repro: venv ## Run both pipelines (dvc repro): the digits default and the language model
+repro: venv ## Run the pipelines (dvc repro): the digits default, the language model, compiled
 	$(BIN)/dvc repro
 	$(BIN)/dvc repro pipelines/lm/dvc.yaml
+	$(BIN)/dvc repro pipelines/lm-compiled/dvc.yaml
 	@$(BIN)/reprotrain reference-note
 
 # Test files run in parallel (pytest-xdist), one file per worker at a time, so module

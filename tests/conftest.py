@@ -108,7 +108,7 @@ def restore_torch_flags() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def dvc_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
-    """This checkout after `make repro`'s two `dvc repro`, results committed. Do not modify.
+    """This checkout after `make repro`'s `dvc repro`s, results committed. Do not modify.
 
     Built once per pytest run: the first xdist worker to ask runs `dvc repro` in
     the run's shared temp folder; every worker then gets its own copy, so no two
@@ -118,8 +118,9 @@ def dvc_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     def build(built: Path) -> None:
         built.mkdir()
         copy_checkout(built)
-        run_checked("dvc", "repro", cwd=built)  # both pipelines, as `make repro`
+        run_checked("dvc", "repro", cwd=built)  # each pipeline, as `make repro`
         run_checked("dvc", "repro", "pipelines/lm/dvc.yaml", cwd=built)
+        run_checked("dvc", "repro", "pipelines/lm-compiled/dvc.yaml", cwd=built)
         commit_all(built, "results")
 
     built = built_once(tmp_path_factory.getbasetemp(), worker_id, "dvc_repo", build)

@@ -23,7 +23,9 @@ def test_forced_repro_gives_a_byte_identical_dvc_lock(repo_copy: Path) -> None:
     assert {name: (repo_copy / name).read_bytes() for name in tracked} == before
     status = run_checked("dvc", "status", cwd=repo_copy)
     # The env stages are always_changed by design; nothing else may be out of date.
-    always = ["env:", "\talways changed", "pipelines/lm/dvc.yaml:env:", "\talways changed"]
+    always = ["env:", "\talways changed"]
+    for lm in ("lm", "lm-compiled"):
+        always += [f"pipelines/{lm}/dvc.yaml:env:", "\talways changed"]
     assert [line for line in status.splitlines() if line.strip()] == always
 
 
@@ -36,7 +38,7 @@ def test_nothing_tracked_holds_a_path_time_or_host(dvc_repo: Path) -> None:
 
 def test_plots_render_in_dvc_format(dvc_repo: Path) -> None:
     shown = json.loads(run_checked("dvc", "plots", "show", "--json", cwd=dvc_repo))["data"]
-    pipelines = ("dvc.yaml", "pipelines/lm/dvc.yaml")
+    pipelines = ("dvc.yaml", "pipelines/lm/dvc.yaml", "pipelines/lm-compiled/dvc.yaml")
     names = ("train_loss", "validation")
     assert set(shown) == {f"{p}::{name}" for p in pipelines for name in names}
     rows = shown["dvc.yaml::validation"][0]["content"]["data"]["values"]

@@ -1,6 +1,8 @@
 """The portable profile's matrix products: one pinned OpenBLAS, in blocks the project fixes.
 
-``mm``, ``addmm``, ``bmm`` and ``baddbmm`` (and the convolutions' GEMMs,
+``mm``, ``addmm``, ``bmm`` and ``baddbmm``, with their ``out=`` overloads (what
+``torch.compile``'s CPU code calls: its matrix products are "extern kernels" writing
+into buffers it allocates), and the convolutions' GEMMs (
 :mod:`reprotrain.cpu.conv`) call one OpenBLAS build from the lock
 (``scipy-openblas32``, pinned exactly) with its Haswell kernels forced
 (``OPENBLAS_CORETYPE=Haswell``: AVX2 + FMA, fixed blocking) and one OpenBLAS
@@ -236,3 +238,91 @@ def _baddbmm(
     if not _pinned(base, a, b):
         return _torchs_kernel("baddbmm", base, a, b, beta=beta, alpha=alpha)
     return _product(a, b, base, beta, alpha)
+
+
+def _into(
+    out: torch.Tensor,
+    result: Callable[[torch.Tensor | None], torch.Tensor],
+    shape: tuple[int, ...],
+    *inputs: torch.Tensor,
+) -> torch.Tensor:
+    """An ``out=`` overload: ``result(out)`` straight into ``out`` where it is a contiguous
+    float tensor of the product's shape and dtype sharing no memory with an input, else
+    computed apart and copied in (resizing ``out`` as torch's ``out=`` does)."""
+    direct = (
+        tuple(out.shape) == shape
+        and out.is_contiguous()
+        and _pinned(out, *inputs)
+        and not any(
+            out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in inputs
+        )
+    )
+    if direct:
+        result(out)
+        return out
+    value = result(None)
+    if tuple(out.shape) != shape:
+        out.resize_(shape)
+    return out.copy_(value)
+
+
+def _mm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    if not _pinned(a, b, out):
+        return _torchs_kernel("mm.out", a, b, out=out)
+    shape = (a.shape[0], b.shape[1])
+    return _into(
+        out,
+        lambda into: _product(a[None], b[None], None, 0.0, 1.0, _batch(into))[0],
+        shape,
+        a,
+        b,
+    )
+
+
+def _addmm_out(
+    base: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    beta: float = 1,
+    alpha: float = 1,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    if not _pinned(base, a, b, out):
+        return _torchs_kernel("addmm.out", base, a, b, beta=beta, alpha=alpha, out=out)
+    lifted = base[None] if base.dim() == 2 else base
+    return _into(
+        out,
+        lambda into: _product(a[None], b[None], lifted, beta, alpha, _batch(into))[0],
+        (a.shape[0], b.shape[1]),
+        base,
+        a,
+        b,
+    )
+
+
+def _bmm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    if not _pinned(a, b, out):
+        return _torchs_kernel("bmm.out", a, b, out=out)
+    shape = (a.shape[0], a.shape[1], b.shape[2])
+    return _into(out, lambda into: _product(a, b, None, 0.0, 1.0, into), shape, a, b)
+
+
+def _baddbmm_out(
+    base: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    beta: float = 1,
+    alpha: float = 1,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    if not _pinned(base, a, b, out):
+        return _torchs_kernel("baddbmm.out", base, a, b, beta=beta, alpha=alpha, out=out)
+    shape = (a.shape[0], a.shape[1], b.shape[2])
+    return _into(out, lambda into: _product(a, b, base, beta, alpha, into), shape, base, a, b)
+
+
+def _batch(matrix: torch.Tensor | None) -> torch.Tensor | None:
+    """A 2-D output as the one matrix of a batch (None stays None: a new tensor)."""
+    return None if matrix is None else matrix[None]

@@ -6,7 +6,8 @@ core count. ATen's own kernels do at the pinned ISA level (``cpu.profile``);
 three families of kernels that torch hands to MKL do not, and :func:`enable`
 replaces them on the CPU dispatch key through ``torch.library``:
 
-* **Matrix products** (``mm``, ``addmm``, ``bmm``, ``baddbmm``,
+* **Matrix products** (``mm``, ``addmm``, ``bmm``, ``baddbmm`` and their ``out=``
+  overloads, which ``torch.compile``'s CPU code calls,
   :mod:`reprotrain.cpu.gemm`) and 2-D convolutions (``convolution`` and
   its backward, im2col around the same GEMM: :mod:`reprotrain.cpu.conv`):
   one OpenBLAS build from the lock with its Haswell kernels forced, in fixed
@@ -49,10 +50,14 @@ from reprotrain.cpu.gemm import (
     FLOATS,
     KernelsUnavailable,
     _addmm,
+    _addmm_out,
     _baddbmm,
+    _baddbmm_out,
     _bmm,
+    _bmm_out,
     _load_blas,
     _mm,
+    _mm_out,
     _state,
     _torchs,
     _torchs_kernel,
@@ -135,6 +140,10 @@ _KERNELS: dict[str, Callable[..., Any]] = {
     "addmm": _addmm,
     "bmm": _bmm,
     "baddbmm": _baddbmm,
+    "mm.out": _mm_out,
+    "addmm.out": _addmm_out,
+    "bmm.out": _bmm_out,
+    "baddbmm.out": _baddbmm_out,
     "convolution": _convolution,
     "convolution_backward": _convolution_backward,
     "bernoulli_.float": _bernoulli,

@@ -26,6 +26,11 @@ on which x86-64 CPU runs the job:
       level (``OPENBLAS_CORETYPE``) in fixed blocks, and dropout's mask on ATen's
       generator on every vendor (torch draws it with MKL on Intel CPUs only). So
       a training step of the shipped recipes makes no MKL call at all.
+    * ``TORCHINDUCTOR_CPP_MARCH=x86-64-v3``: a ``torch.compile``'d model's C++ is built
+      for the same level (Inductor's vectors already follow ``ATEN_CPU_CAPABILITY``;
+      its default ``-march=native`` would enable what the host has), and its matrix
+      products (``out=`` overloads) are routed like eager ones
+      (:mod:`reprotrain.provenance.toolchain`, docs/compile.md).
     * ``threads`` threads share the routed GEMM's fixed blocks, while ATen's own
       kernels run on one intra-op thread (``OMP_NUM_THREADS=1``,
       ``MKL_NUM_THREADS=1``) and one inter-op thread. A reduction that ATen split
@@ -63,6 +68,8 @@ PROFILES = ("portable", "native")
 PORTABLE_ATEN_LEVEL = "avx2"
 PORTABLE_REQUIRES = ("avx2", "fma")
 PORTABLE_MKL_BRANCH = "COMPATIBLE,STRICT"
+#: ``-march`` of a compiled model's C++ under ``portable``: the pinned ATen level's.
+PORTABLE_MARCH = "x86-64-v3"
 #: Where Linux lists the CPU's instruction-set flags.
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -137,6 +144,7 @@ class CpuProfile:
         if self.portable:
             pinned["ATEN_CPU_CAPABILITY"] = PORTABLE_ATEN_LEVEL
             pinned["MKL_CBWR"] = PORTABLE_MKL_BRANCH
+            pinned["TORCHINDUCTOR_CPP_MARCH"] = PORTABLE_MARCH
             pinned.update(OPENBLAS_VARIABLES)
         return pinned
 

@@ -17,6 +17,7 @@ OPENBLAS_VARIABLES = {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "1
 #: The aten overloads ``portable`` routes to its own kernels (reprotrain.cpu.kernels).
 ROUTED = (
     *("mm", "addmm", "bmm", "baddbmm"),
+    *("mm.out", "addmm.out", "bmm.out", "baddbmm.out"),  # torch.compile's extern kernels
     *("convolution", "convolution_backward"),
     "bernoulli_.float",
     *("sqrt", "sqrt_", "sqrt.out"),

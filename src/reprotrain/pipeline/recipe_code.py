@@ -5,7 +5,9 @@
 package its class lives in and the files its ``code:`` list names. Code
 installed in site-packages is pinned by the lock, whose hash is already a run
 input, so it is not listed; code outside the repository, where DVC cannot
-track it, is refused. No jsonargparse here: the run record imports it.
+track it, is refused. :func:`compiling_code` finds whether that code calls
+``torch.compile`` (the environment record then holds the C++ compiler). No
+jsonargparse here: the run record imports it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from reprotrain.pipeline.config import ConfigError
+from reprotrain.pipeline.config import Component, ConfigError, Params
 from reprotrain.provenance.identity import source_files
+from reprotrain.provenance.toolchain import calls_compile
 
 if TYPE_CHECKING:
     from reprotrain.pipeline.recipe import ResolvedComponent
@@ -95,3 +98,55 @@ def _installed(path: Path) -> bool:
     folders.add(site.getusersitepackages())
     resolved = path.resolve()
     return any(resolved.is_relative_to(Path(folder).resolve()) for folder in folders)
+
+
+def compiling_code(params: Params, root: Path | None = None) -> list[str]:
+    """Where the recipe's model or data code calls ``torch.compile`` (``file:line``), or [].
+
+    Found without importing anything (the environment stage runs in a second): the
+    module ``class_path`` names, every ``.py`` of its top-level package when that is
+    the user's own (for ``reprotrain``'s recipes, the class alone: its module holds
+    the recipe's other class, and the library calls no compile), and the ``code:``
+    entries. A component whose ``init_args`` sets ``compile: false`` says itself that
+    it does not compile (the LM recipe's option), so its calls do not count.
+    """
+    root = Path.cwd() if root is None else root
+    found: list[str] = []
+    for component in (params.model, params.data):
+        if component is None or component.init_args.get("compile") is False:
+            continue
+        own = component.class_path.split(".")[0] == "reprotrain"
+        within = component.class_path.rpartition(".")[2] if own else None
+        found.extend(calls_compile(_scanned(component), within))
+        found.extend(calls_compile(_listed(component, root)))
+    return found
+
+
+def _scanned(component: Component) -> list[Path]:
+    """The ``.py`` files of the module or package :func:`compiling_code` reads."""
+    module = component.class_path.rpartition(".")[0]
+    top = module.split(".")[0]
+    files: list[Path] = []
+    try:
+        spec = importlib.util.find_spec(module if top == "reprotrain" else top)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        if top == "reprotrain" and spec.origin:
+            files.append(Path(spec.origin))
+        elif spec.submodule_search_locations:
+            for folder in map(Path, spec.submodule_search_locations):
+                if not _installed(folder):
+                    files.extend(_tree(folder, "*.py"))
+        elif spec.origin and Path(spec.origin).is_file() and not _installed(Path(spec.origin)):
+            files.append(Path(spec.origin))
+    return sorted(set(files))
+
+
+def _listed(component: Component, root: Path) -> list[Path]:
+    """The ``.py`` files of the component's ``code:`` entries (a missing one: none here)."""
+    files: list[Path] = []
+    for entry in component.code:
+        path = root / entry
+        files.extend([path] if path.is_file() else _tree(path, "*.py") if path.is_dir() else [])
+    return sorted(set(files))

@@ -160,12 +160,23 @@ class CharCorpus(L.LightningDataModule):
         return self._splits[name]
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where each position sees itself and the positions before it."""
+ATTENTION = ("manual", "sdpa")
 
-    def __init__(self, n_embd: int, n_head: int, block_size: int, dropout: float) -> None:
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where each position sees itself and the positions before it.
+
+    ``attention="manual"`` writes it out (the module docstring says why); ``"sdpa"`` calls
+    ``F.scaled_dot_product_attention`` with ``is_causal``, as most users' models do.
+    """
+
+    def __init__(
+        self, n_embd: int, n_head: int, block_size: int, dropout: float, attention: str = "manual"
+    ) -> None:
         super().__init__()
         self.n_head = n_head
+        self.attention = attention
+        self.dropout = dropout
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
         self.attn_dropout = nn.Dropout(dropout)
@@ -179,6 +190,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(channels, dim=2)
         # (batch, head, time, head_size)
         q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        if self.attention == "sdpa":
+            p = self.dropout if self.training else 0.0
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            out = out.transpose(1, 2).contiguous().view(batch, time, channels)
+            return self.resid_dropout(self.proj(out))
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
         causal: torch.Tensor = self.causal  # type: ignore[assignment]
         scores = scores.masked_fill(~causal[:, :, :time, :time], float("-inf"))
@@ -190,10 +206,12 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: attention, then a 4x GELU MLP, each on a residual."""
 
-    def __init__(self, n_embd: int, n_head: int, block_size: int, dropout: float) -> None:
+    def __init__(
+        self, n_embd: int, n_head: int, block_size: int, dropout: float, attention: str = "manual"
+    ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, block_size, dropout)
+        self.attn = CausalSelfAttention(n_embd, n_head, block_size, dropout, attention)
         self.ln_2 = nn.LayerNorm(n_embd)
         self.mlp = nn.Sequential(
             nn.Linear(n_embd, 4 * n_embd),
@@ -208,7 +226,12 @@ class Block(nn.Module):
 
 
 class TinyGPT(L.LightningModule):
-    """Decoder-only transformer predicting the next character; logs ``val_loss``, ``test_*``."""
+    """Decoder-only transformer predicting the next character; logs ``val_loss``, ``test_*``.
+
+    ``compile=True`` compiles each block with ``torch.compile`` in ``configure_model``, as
+    Lightning's docs show (``Module.compile``: in place, so the state dict's keys stay those
+    of the uncompiled model and one checkpoint loads into either).
+    """
 
     def __init__(
         self,
@@ -220,8 +243,12 @@ class TinyGPT(L.LightningModule):
         dropout: float = 0.1,
         lr: float = 3e-3,
         weight_decay: float = 0.01,
+        attention: str = "manual",
+        compile: bool = False,
     ) -> None:
         super().__init__()
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
         for name, value in (("vocab_size", vocab_size), ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -234,14 +261,20 @@ class TinyGPT(L.LightningModule):
         self.block_size = block_size
         self.lr = lr
         self.weight_decay = weight_decay
+        self.compile_blocks = compile
         self.token_embedding = nn.Embedding(vocab_size, n_embd)
         self.position_embedding = nn.Embedding(block_size, n_embd)
         self.embedding_dropout = nn.Dropout(dropout)
         self.blocks = nn.Sequential(
-            *(Block(n_embd, n_head, block_size, dropout) for _ in range(n_layer))
+            *(Block(n_embd, n_head, block_size, dropout, attention) for _ in range(n_layer))
         )
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size)
+
+    def configure_model(self) -> None:
+        if self.compile_blocks:
+            for block in self.blocks:
+                block.compile()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``(batch, time, vocab)`` for token ids ``(batch, time)``."""

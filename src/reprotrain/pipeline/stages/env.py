@@ -9,7 +9,8 @@ otherwise. ``--host-out`` writes the informational ``host`` section beside it
 Without ``--out`` the record is printed, with the git state added;
 ``--diff A B`` explains how two records differ, with the fields of a
 ``host.json`` beside each (shown, never deciding). With ``--out`` (as
-``dvc.yaml`` runs it) it first checks params.yaml, with the model and data
+``dvc.yaml`` runs it) it first checks the CPU and, for a recipe that calls
+``torch.compile``, the C++ compiler, then params.yaml, with the model and data
 module it names imported, type-checked and held to the contract
 (:mod:`reprotrain.pipeline.contract`), and with ``--raw-dir`` the raw data
 for the prepare stage (:mod:`reprotrain.pipeline.preflight`), so bad input
@@ -48,6 +49,7 @@ from reprotrain.pipeline.command import (
 from reprotrain.pipeline.config import Params
 from reprotrain.pipeline.errors import DataError
 from reprotrain.pipeline.params_file import load_params
+from reprotrain.pipeline.recipe_code import compiling_code
 from reprotrain.provenance.environment import (
     HOST_KEY,
     bit_deciding,
@@ -55,6 +57,7 @@ from reprotrain.provenance.environment import (
     editable_packages,
     git_state,
 )
+from reprotrain.provenance.toolchain import compile_record, missing_compiler
 
 if TYPE_CHECKING:  # numpy, for the raw data: only when the stage checks it
     from reprotrain.pipeline.preflight import PlannedOutputs
@@ -138,6 +141,8 @@ def whole_environment(lock: Path | None = None, params: Params | None = None) ->
     # The world size decides the bits unless train.world_size_invariant; dvc.yaml's train
     # stage lists none of these keys, so they reach its cache key here, or do not.
     record["processes"] = params.train.process_layout()
+    if compiling_code(params):  # torch.compile: the C++ compiler and Inductor's settings
+        record["compile"] = compile_record()
     return record
 
 
@@ -160,6 +165,13 @@ def check_cpu(params: Params) -> None:
         raise DataError(problem)
 
 
+def check_compiler(params: Params) -> None:
+    """Refuse, in one line, a recipe that calls ``torch.compile`` where Inductor's C++
+    compiler is missing (else its first training step fails deep in a traceback)."""
+    if (sites := compiling_code(params)) and (problem := missing_compiler()):
+        raise DataError(f"{sites[0]}: {problem}")
+
+
 def run(_: Params | None, args: argparse.Namespace) -> str:
     if args.diff:
         return explain_difference(*args.diff)
@@ -167,6 +179,7 @@ def run(_: Params | None, args: argparse.Namespace) -> str:
     params, note = stage_params(args.params, printing=args.out is None and args.raw_dir is None)
     if args.out is not None:
         check_cpu(params)
+        check_compiler(params)
     record = whole_environment(args.lock, params)
     train = pipeline_stage("train")
     checked = ""
