@@ -22,10 +22,14 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # git: DVC drives the mounted repository through it. Left unpinned on purpose:
 # Debian drops superseded versions from its mirror, so a pin would break the
 # build after the next security update; git does not touch the numerics, and
-# the digest above fixes everything else in the OS.
+# the digest above fixes everything else in the OS. g++: torch.compile's CPU backend
+# (Inductor) builds C++ with it; unpinned for the same reason, and a recipe that
+# compiles has its version in the environment record, so an update retrains it
+# (docs/compile.md). Inductor's cache is /tmp/torchinductor_<user>, gone with the
+# container unless TORCHINDUCTOR_CACHE_DIR names a mounted folder.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends git \
+    && apt-get install -y --no-install-recommends git g++ \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid "${APP_GID}" reprotrain \
     && useradd --uid "${APP_UID}" --gid "${APP_GID}" --home-dir /home/reprotrain \

