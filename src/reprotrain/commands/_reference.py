@@ -93,7 +93,7 @@ class _Pipeline:
         return posixpath.normpath(posixpath.join(self.wdirs.get(stage, self.wdirs[""]), path))
 
 
-def _pipelines(clone: Path) -> dict[str, _Pipeline]:
+def tracked_pipelines(clone: Path) -> dict[str, _Pipeline]:
     """Every pipeline git holds in ``clone`` (the root's and those in subfolders, as
     ``dvc repro --all-pipelines`` runs them), by its ``dvc.lock`` path."""
     found: dict[str, _Pipeline] = {}
@@ -161,7 +161,7 @@ def classify_changes(clone: Path, rev: str, changed: list[str]) -> ReferenceChan
     in every pipeline of the clone."""
     if not changed:  # nothing to split; the stages need not be the pipeline's
         return ReferenceChanges()
-    pipelines = _pipelines(clone)
+    pipelines = tracked_pipelines(clone)
     environments = frozenset().union(*(p.environments for p in pipelines.values()))
     runs = frozenset().union(*(p.runs for p in pipelines.values()))
     records = environments | runs

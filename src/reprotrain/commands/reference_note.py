@@ -20,16 +20,12 @@ import json
 from pathlib import Path
 
 from reprotrain.commands._git import git_show
+from reprotrain.commands._reference import tracked_pipelines
 from reprotrain.pipeline.command import Command
+from reprotrain.pipeline.errors import DataError
 from reprotrain.provenance.envdiff import compare_environments
 
 PARAMS: tuple[str, ...] = ()
-#: The environment records of the repository's pipelines (dvc.yaml, pipelines/*).
-RECORDS = (
-    Path("reports/environment.json"),
-    Path("pipelines/lm/reports/environment.json"),
-    Path("pipelines/lm-compiled/reports/environment.json"),
-)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,9 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "records",
         nargs="*",
         type=Path,
-        default=list(RECORDS),
+        default=None,
         metavar="RECORD",
-        help="environment records to compare with HEAD's (default: every pipeline's)",
+        help="environment records to compare with HEAD's (default: every pipeline's git holds)",
     )
 
 
@@ -49,10 +45,20 @@ COMMAND = Command(
 
 
 def run(_: object, args: argparse.Namespace) -> str | int:
-    lines = [line for record in args.records if (line := reference_note(Path.cwd(), record))]
+    records = args.records or environment_records(Path.cwd())
+    lines = [line for record in records if (line := reference_note(Path.cwd(), record))]
     if lines:
         print("\n".join(lines))
     return 0
+
+
+def environment_records(repo: Path) -> list[Path]:
+    """The env stage's record of every pipeline git holds in ``repo`` (none outside git)."""
+    try:
+        pipelines = tracked_pipelines(repo)
+    except DataError:  # not a git repository: nothing committed to compare with
+        return []
+    return [Path(record) for p in pipelines.values() for record in sorted(p.environments)]
 
 
 def reference_note(repo: Path, record: Path) -> str | None:
