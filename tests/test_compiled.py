@@ -106,6 +106,70 @@ def test_a_missing_compiler_is_named_with_its_package() -> None:
     assert missing_compiler({"PATH": os.environ["PATH"]}) is None  # g++ is here (.ci/run)
 
 
+def _fake_torch(folder: Path, version: str) -> Path:
+    """A folder whose ``torch`` package is only a ``version.py``: another torch build."""
+    (folder / "torch").mkdir(parents=True, exist_ok=True)
+    (folder / "torch" / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (folder / "torch" / "version.py").write_text(f"__version__ = {version!r}\n")
+    return folder
+
+
+def _cache_dir_of(env: dict[str, str], cwd: Path) -> str:
+    code = "from reprotrain.provenance.toolchain import keyed_cache_dir; print(keyed_cache_dir())"
+    done = run_process([sys.executable, "-c", code], cwd, env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_inductors_cache_has_a_folder_per_torch_build_and_compiler(tmp_path: Path) -> None:
+    """Inductor keys a kernel by its source and command alone: another torch at the same
+    path, or a compiler upgraded in place, would load kernels built before (the
+    measurement: benchmarks/cpu/inductor_cache_reuse.py). So reprotrain keys a folder."""
+    compiler = tmp_path / "bin" / "c++"
+    compiler.parent.mkdir()
+    compiler.write_text('#!/bin/sh\necho "c++ (test) 12.0"\n')
+    compiler.chmod(0o755)
+    src = str(ROOT / "src")
+    base = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(compiler)}
+
+    def folder(torch_version: str) -> str:
+        site = _fake_torch(tmp_path / torch_version, torch_version) if torch_version else None
+        path = os.pathsep.join([*([str(site)] if site else []), src])
+        return _cache_dir_of({**base, "PYTHONPATH": path}, tmp_path)
+
+    first = folder("2.13.0+cpu")
+    assert Path(first).parent == tmp_path / "cache"  # inside the user's folder
+    assert folder("2.13.0+cpu") != folder("2.14.1+cpu")
+    compiler.write_text('#!/bin/sh\necho "c++ (test) 13.0"\n')  # upgraded in place
+    assert folder("2.13.0+cpu") != first
+    compiler.write_text('#!/bin/sh\necho "c++ (test) 12.0"\n')
+    assert folder("2.13.0+cpu") == first  # the control: the same build, the same folder
+    again = _cache_dir_of(
+        {**base, "PYTHONPATH": src, "TORCHINDUCTOR_CACHE_DIR": folder("")}, tmp_path
+    )
+    assert again == folder("")  # a folder it named is not nested again
+    # a user's folder that only starts like one is the user's
+    mine = tmp_path / "reprotrain-cache"
+    assert Path(_cache_dir_of({**base, "PYTHONPATH": src, "TORCHINDUCTOR_CACHE_DIR": str(mine)},
+                              tmp_path)).parent == mine  # fmt: skip
+
+
+def test_run_and_configure_determinism_point_inductor_at_the_keyed_folder(tmp_path: Path) -> None:
+    code = (
+        "import os; print(os.environ['TORCHINDUCTOR_CACHE_DIR']);"
+        "from reprotrain.determinism import configure_determinism; configure_determinism(0, True);"
+        "print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+    )
+    done = run_cli(
+        "run", "--", sys.executable, "-c", code, cwd=tmp_path,
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
+    )  # fmt: skip
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+    launched, configured = done.stdout.split()
+    assert Path(launched).parent == tmp_path / "cache"
+    assert Path(launched).name.startswith("reprotrain-") and configured == launched
+
+
 def _env_record(tmp_path: Path, params: Path, **env: str):
     out = tmp_path / "environment.json"
     done = run_cli("env", "--params", params, "--out", out, cwd=ROOT, **env)
@@ -178,18 +242,25 @@ def test_verify_is_identical_compiled_with_a_cold_then_a_warm_cache(tmp_path: Pa
 @pytest.mark.slow
 def test_compiled_bits_follow_neither_the_compilers_version_nor_march(tmp_path: Path) -> None:
     """One rebuild with both changed (each is a cold build: two would double the test's
-    time); the vector level, which does decide the bits, is the next test's control."""
-    cold = _loop(tmp_path, "cold")
-    # a compiler that names another version: Inductor's cache key changes, so it rebuilds
+    time); the vector level, which does decide the bits, is the next test's control. The
+    compiler is upgraded in place (one path, another version): Inductor's own key would
+    not see it, the keyed cache folder does, so the second run builds anew."""
     wrapper = tmp_path / "bin" / "c++"
     wrapper.parent.mkdir()
     gxx = shutil.which("g++")
-    wrapper.write_text(
-        f'#!/bin/sh\n[ "$1" = --version ] && {{ echo "c++ (other) 99.0"; exit 0; }}\n'
-        f'exec {gxx} "$@"\n'
-    )
-    wrapper.chmod(0o755)
-    assert _loop(tmp_path, "other-compiler-march-native", "native", CXX=str(wrapper)) == cold
+
+    def compiler(version: str) -> str:
+        wrapper.write_text(
+            f'#!/bin/sh\n[ "$1" = --version ] && {{ echo "c++ (test) {version}"; exit 0; }}\n'
+            f'exec {gxx} "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        return str(wrapper)
+
+    cold = _loop(tmp_path, "cold", CXX=compiler("12.0"))
+    assert _loop(tmp_path, "other-compiler-march-native", "native", CXX=compiler("99.0")) == cold
+    built = [d for d in (tmp_path / "inductor-cache").iterdir() if any(d.rglob("*.so"))]
+    assert len(built) == 2, built  # one folder per compiler version, each built
 
 
 @pytest.mark.slow

@@ -42,6 +42,12 @@ mode, and warns in ``"warn"`` mode:
   accepted while the value an earlier call saw before CUDA started is still
   the one exported.
 
+``torch.compile``: in ``True`` and ``"warn"`` modes Inductor's cache
+(``TORCHINDUCTOR_CACHE_DIR``) becomes a folder of its own for this torch build and C++
+compiler (:func:`reprotrain.provenance.toolchain.keyed_cache_dir`): Inductor's key
+for a kernel leaves out both, and a torch replaced at the same path loaded kernels
+the other one built. Call it before the first compile.
+
 An op with no deterministic kernel raises torch's error; after its traceback,
 a process that called :func:`configure_determinism` prints one more line
 naming the op, the line of the user's code that called it, and the choices
@@ -67,6 +73,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from reprotrain.provenance.toolchain import keyed_cache_dir
 from reprotrain.seeding import seed_at_start
 
 if TYPE_CHECKING:
@@ -284,6 +291,7 @@ def configure_determinism(
     problems: list[str] = cpu_profile.apply() if cpu_profile is not None else []
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_CONFIGS[0])
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = keyed_cache_dir()
         problems = _check_preconditions(hash_ok, cuda_up) + problems
         if not cuda_up and not problems:
             global _cublas_before_cuda

@@ -8,6 +8,10 @@ user script then needs only ``configure_determinism(...)`` and the
 callbacks; :func:`reprotrain.determinism.reexec_with_fixed_hash_seed` stays
 for scripts that restart themselves instead. Exported values of these
 variables are replaced, and a warning line names each one replaced.
+``TORCHINDUCTOR_CACHE_DIR`` becomes a folder inside the exported one (or Inductor's
+default) for this torch build and C++ compiler
+(:func:`reprotrain.provenance.toolchain.keyed_cache_dir`), so a ``torch.compile``'d
+CMD never loads kernels another torch or compiler built.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from reprotrain.cpu.profile import LAUNCHED, CpuProfile
 from reprotrain.determinism import CUBLAS_DETERMINISTIC_CONFIGS, FIXED_HASH_SEED
 from reprotrain.pipeline.command import Command
 from reprotrain.pipeline.errors import DataError
+from reprotrain.provenance.toolchain import keyed_cache_dir
 
 PARAMS: tuple[str, ...] = ()
 
@@ -123,7 +128,8 @@ def launch_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> 
             print(
                 f"reprotrain: warning: {name}={environ[name]} replaced by {value}", file=sys.stderr
             )
-    return {**environ, **fixed}
+    # A folder inside the user's (or Inductor's default) cache: no warning, nothing replaced.
+    return {**environ, **fixed, "TORCHINDUCTOR_CACHE_DIR": keyed_cache_dir(environ)}
 
 
 def run(_: object, args: argparse.Namespace) -> int:

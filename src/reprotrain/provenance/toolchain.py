@@ -16,17 +16,27 @@ host's C++ compiler builds (``g++`` unless ``CXX`` names another). Its bits foll
 * Inductor's settings that change numerics, set in code (the run ID hashes the
   code) or through ``TORCHINDUCTOR_*`` variables (:func:`inductor_variables`).
 
-Inductor's caches (``TORCHINDUCTOR_CACHE_DIR``) are left out: a warm cache gives a
-cold one's bits (tests/test_compiled.py). Nothing here imports torch: the
+Inductor's caches (``TORCHINDUCTOR_CACHE_DIR``) are left out of the record: a warm
+cache gives a cold one's bits (tests/test_compiled.py), once :func:`keyed_cache_dir`
+gives each torch build and compiler a folder of its own. Inductor's own key for a
+kernel's shared library is its C++ source and compile command: neither the headers
+of the torch that wrote it nor the compiler's version. A torch replaced at the same
+path (a rebuilt venv or image) loaded 18 of 24 kernels another torch had built
+(``benchmarks/cpu/inductor_cache_reuse.py``). Nothing here imports torch: the
 environment stage runs in a second without it.
 """
 
 from __future__ import annotations
 
 import ast
+import getpass
+import hashlib
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -92,6 +102,44 @@ def missing_compiler(environ: Mapping[str, str] = os.environ) -> str | None:
         f"and it is not on PATH; install it (apt-get install {CXX_PACKAGE}), set CXX to a C++ "
         "compiler, or train uncompiled"
     )
+
+
+#: The start of the folder :func:`keyed_cache_dir` names in Inductor's cache, and its name.
+CACHE_FOLDER_PREFIX = "reprotrain-"
+CACHE_FOLDER = re.compile(re.escape(CACHE_FOLDER_PREFIX) + "[0-9a-f]{16}")
+
+
+def keyed_cache_dir(environ: Mapping[str, str] = os.environ) -> str:
+    """Inductor's cache folder for this torch build and C++ compiler: a folder
+    ``reprotrain-<key>`` in ``TORCHINDUCTOR_CACHE_DIR`` (else Inductor's default,
+    ``/tmp/torchinductor_<user>``), the key over torch's ``version.py`` (its version, git
+    commit and CUDA) and :func:`cxx_identity`. Idempotent: a folder this function named
+    (for this build, or in a parent process for another) is replaced, not nested."""
+    base = Path(environ.get("TORCHINDUCTOR_CACHE_DIR") or _inductor_default_cache_dir())
+    base = Path(os.path.abspath(base))  # noqa: PTH100 - as Inductor does: no symlinks resolved
+    if CACHE_FOLDER.fullmatch(base.name):
+        base = base.parent
+    digest = hashlib.sha256(_torch_build_id() + cxx_identity(environ).encode())
+    return str(base / (CACHE_FOLDER_PREFIX + digest.hexdigest()[:16]))
+
+
+def _torch_build_id() -> bytes:
+    """torch's ``version.py`` (version, git commit, CUDA), read without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / "version.py"
+        if path.is_file():
+            return path.read_bytes()
+    return b"no torch"
+
+
+def _inductor_default_cache_dir() -> str:
+    """Inductor's default (``cache_dir_utils.default_cache_dir``), without importing it."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return str(Path(tempfile.gettempdir()) / ("torchinductor_" + user))
 
 
 def calls_compile(files: Iterable[Path], within: str | None = None) -> list[str]:
