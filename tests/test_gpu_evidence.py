@@ -15,7 +15,7 @@ from benchmarks.gpu import gpu_evidence, gpu_rows
 from reprotrain.hashing import load_safetensors
 from tests.helpers import ROOT, cli_env, run_cli, train_argv
 
-#: The tests that read ``evidence``, a CPU dry run of every step (about 100 s on 2 cores):
+#: The tests that read ``evidence``, a CPU dry run of every step (about 200 s on 2 cores):
 #: in ``make test-slow``, which CI runs too.
 needs_dry_run = pytest.mark.slow
 
@@ -62,6 +62,10 @@ def test_twin_runs_are_identical_and_the_figures_are_read_from_the_runs(evidence
     assert settings["cells"]["library"]["same_bits_every_run"] is True
     assert len(settings["effects"]["all four, as deterministic: true sets them"]["ci95"]) == 2
     assert _load(evidence, "ddp_twin")["result"]["identical"] is True
+    compiled = _load(evidence, "twin_compiled")["result"]  # pipelines/lm-compiled, compiled
+    assert compiled["identical"] is True and compiled["runs"][0]["run_id"] != first["run_id"]
+    ways = _load(evidence, "compile")["result"]["ways"]
+    assert ways["lightning compiled"]["ratio"] == 1.0 and ways["reprotrain portable"]["ratio"] > 0
     bench = _load(evidence, "bench")["result"]["workloads"]["conv"]["determinism_cost"]
     assert len(bench["ci95"]) == 2
     ops = _load(evidence, "ops")["result"]

@@ -23,6 +23,12 @@ it is recorded as skipped):
   (max weight difference, first diverging step).
 * ``bench``: ``reprotrain bench`` on a GPU-sized conv workload: the cost of
   determinism in % with its 95% interval.
+* ``twin_compiled``: the train stage twice on pipelines/lm-compiled (SDPA,
+  ``bf16-mixed``, ``torch.compile``) at a GPU size (:data:`COMPILED_SIZES`: 8 layers,
+  width 512, 128 tokens x 32, 25.3M parameters).
+* ``compile``: ``benchmarks/overhead/compile_speed.py``: a compiled Lightning step, plain
+  eager, compiled with ``deterministic`` false and true, and reprotrain's: what
+  determinism costs compiled.
 * ``settings``: ``benchmarks/gpu/determinism_settings.py``: what each determinism
   setting costs alone and together (conv and the transformer at a GPU size),
   and which of them change the bits here.
@@ -72,6 +78,8 @@ SCHEMA = "reprotrain.gpu_evidence/1"
 STEPS = (
     "twin_deterministic",
     "noise_floor",
+    "twin_compiled",
+    "compile",
     "bench",
     "settings",
     "ops",
@@ -103,6 +111,23 @@ SETTINGS = (
     ["--rounds", "3", "--passes", "1", "--steps", "15", "--profile"],
     ["--quick", "--rounds", "2", "--workloads", "conv"],
 )
+COMPILE = (
+    ["--device", "cuda", "--rounds", "3", "--steps", "30"],
+    [
+        *("--device", "cpu", "--size", "tiny", "--rounds", "1", "--steps", "1", "--warmup", "0"),
+        *("--ways", "lightning compiled,reprotrain portable"),
+    ],
+)
+COMPILED = ROOT / "pipelines" / "lm-compiled" / "params.yaml"
+#: (full, quick): pipelines/lm-compiled at the size a GPU trains (25.3M parameters); the
+#: dry run's: one small block, the least Inductor builds.
+COMPILED_SIZES = (
+    [
+        *("model.init_args.n_layer=8", "model.init_args.n_head=8", "model.init_args.n_embd=512"),
+        *("data.init_args.block_size=128", "data.init_args.batch_size=32"),
+    ],
+    ["model.init_args.n_layer=1", "model.init_args.n_embd=16", "data.init_args.block_size=16"],
+)
 TRACE = (
     ["--repeats", "3", "--epochs", "2", "--mlp-steps", "128"],
     ["--repeats", "1", "--epochs", "1", "--mlp-steps", "0", "--steps", "8"],
@@ -128,21 +153,25 @@ class Evidence:
         cmd = [sys.executable, "-m", "reprotrain", *map(str, argv)]
         return _run(cmd, cwd or self.work, self.env)
 
-    def train(self, name: str, *overrides: str) -> Path:
-        """One train-stage run in a fresh process; its folder."""
+    def train(self, name: str, *overrides: str, recipe: str = "") -> Path:
+        """One train-stage run in a fresh process; its folder. ``recipe``: ``compiled``
+        trains pipelines/lm-compiled (params and env record ``compiled-``), else the
+        workload's."""
         run = self.work / name
         run.mkdir()
         sets = [f"train.accelerator={self.accelerator}", f"train.max_epochs={EPOCHS[self.quick]}"]
+        prefix = f"{recipe}-" if recipe else ""
         data = self.work / "data.safetensors"
-        if data.exists():  # a recipe with a prepare step
+        if data.exists() and not recipe:  # a recipe with a prepare step
             # The data module reads what data.init_args.path names; --data only hashes the file.
             sets.append(f"data.init_args.path={data}")
         if self.quick:
             sets.append("data.init_args.num_workers=0")
         result = self.cli(
             "train",
-            *(("--data", data) if data.exists() else ()),
-            *("--env", self.work / "env.json"),
+            *("--params", self.work / f"{prefix}params.yaml"),
+            *(("--data", data) if data.exists() and not recipe else ()),
+            *("--env", self.work / f"{prefix}env.json"),
             *("--model", run / "model.safetensors", "--metrics", run / "metrics.json"),
             *("--plots", run / "plots", "--run-record", run / "run.json"),
             *("--checkpoints", run / "ckpt", "--trace", run / "trace.safetensors"),
@@ -152,9 +181,19 @@ class Evidence:
         _check(result, f"train {name}")
         return run
 
-    def twin(self, name: str, *overrides: str) -> dict[str, Any]:
-        a, b = self.train(f"{name}-1", *overrides), self.train(f"{name}-2", *overrides)
+    def twin(self, name: str, *overrides: str, recipe: str = "") -> dict[str, Any]:
+        a = self.train(f"{name}-1", *overrides, recipe=recipe)
+        b = self.train(f"{name}-2", *overrides, recipe=recipe)
         return compare_runs(a, b)
+
+    def twin_compiled(self) -> dict[str, Any]:
+        """pipelines/lm-compiled twice, deterministic, at a GPU's size (the dry run: its own)."""
+        shutil.copy(COMPILED, self.work / "compiled-params.yaml")
+        env = self.cli("env", "--params", "compiled-params.yaml", "--lock", self.args.lock,
+                       "--out", "compiled-env.json")  # fmt: skip
+        _check(env, "env (pipelines/lm-compiled)")
+        sizes = COMPILED_SIZES[self.quick]
+        return self.twin("compiled", "deterministic=true", *sizes, recipe="compiled")
 
     def record(self, step: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run one step within the budget; write ``<step>.json`` whatever happens."""
@@ -336,6 +375,14 @@ def step_settings(ev: Evidence) -> dict[str, Any]:
     return read_json(raw)
 
 
+def step_compile(ev: Evidence) -> dict[str, Any]:
+    raw = ev.work / "compile.json"
+    script = ROOT / "benchmarks" / "overhead" / "compile_speed.py"
+    cmd = [sys.executable, str(script), *COMPILE[ev.quick], "--json", str(raw)]
+    _check(_run(cmd, ROOT, ev.env), "benchmarks/overhead/compile_speed.py")
+    return read_json(raw)
+
+
 def step_bench(ev: Evidence) -> dict[str, Any]:
     raw = ev.work / "bench.json"
     sizes = BENCH[ev.quick]
@@ -459,12 +506,17 @@ def headline(step: str, entry: dict[str, Any]) -> str:
     if entry["status"] != "ok":
         return f"{entry['status']}: {entry.get('reason') or entry.get('error', '')}"[:300]
     result = entry["result"]
-    if step in ("twin_deterministic", "noise_floor", "ddp_twin"):
+    if step in ("twin_deterministic", "noise_floor", "twin_compiled", "ddp_twin"):
         if result["identical"]:
             return "bit-identical (model, trace, metrics)"
         return f"differ: {twin_difference(result)}"
     if step == "bench":
         return f"determinism cost {determinism_cost(result)}"
+    if step == "compile":
+        ways = result["ways"]
+        return (
+            "; ".join(f"{way} x{ways[way]['ratio']:.3f}" for way in ways) + f" of {result['base']}"
+        )
     if step == "settings":
         return "; ".join(
             f"{name}: deterministic: true {settings_cost(result, name)}"
@@ -588,6 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         steps: dict[str, Callable[[], dict[str, Any]]] = {
             "twin_deterministic": lambda: ev.twin("det", "deterministic=true"),
             "noise_floor": lambda: ev.twin("fast", "deterministic=false"),
+            "twin_compiled": ev.twin_compiled,
+            "compile": lambda: step_compile(ev),
             "bench": lambda: step_bench(ev),
             "settings": lambda: step_settings(ev),
             "ops": lambda: step_ops(ev),
